@@ -1,0 +1,124 @@
+"""Builtin assets the project makes itself, so nothing is downloaded: a tiny Llama and a synthetic
+instruction set. `builtin:tiny-llama` and `builtin:tiny-instruct` in a recipe resolve here.
+
+The model is a randomly initialised Llama (GQA, RoPE, SwiGLU: the real architecture, scaled down) with a
+byte-level BPE tokenizer trained on the synthetic corpus. The task (reverse, sort or pick words) is easy
+to learn with LoRA and impossible to guess, so learning is plain to see in loss and exact match.
+
+Everything is deterministic and written atomically (build in a temp dir, then rename), so several ranks
+building at once is safe.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+VERSION = "v2"  # bump when the builder changes: a new cache directory, never a stale mix
+WORDS = ("red blue green black white pink gold gray cat dog fox owl bee cow pig ant sun moon star rain "
+         "snow wind tree rock lake hill road ship car bus one two six ten").split()
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ '<|end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
+
+
+def _atomic_build(target: Path, build) -> Path:
+    if (target / ".complete").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        build(tmp)
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process won the race; theirs is identical
+            if not (target / ".complete").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _example(rng: random.Random) -> dict:
+    words = rng.sample(WORDS, rng.randint(3, 5))
+    task = rng.choice(["reverse", "sort", "first", "last"])
+    answer = {"reverse": words[::-1], "sort": sorted(words), "first": words[:1], "last": words[-1:]}[task]
+    return {"prompt": f"{task}: {' '.join(words)}\n", "completion": " ".join(answer)}
+
+
+def make_rows(n: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [_example(rng) for _ in range(n)]
+
+
+def dataset_dir() -> Path:
+    """builtin:tiny-instruct: train.jsonl (4000 rows) and eval.jsonl (200 rows, no prompt shared with train)."""
+
+    def build(tmp: Path):
+        rows = make_rows(4600, seed=1234)
+        held = list({r["prompt"]: r for r in rows[:220]}.values())[:200]
+        held_prompts = {r["prompt"] for r in held}
+        # Hold out by prompt, so eval measures generalisation, not recall.
+        train = [r for r in rows[220:] if r["prompt"] not in held_prompts][:4000]
+        for name, part in (("train", train), ("eval", held)):
+            with open(tmp / f"{name}.jsonl", "w") as f:
+                for r in part:
+                    f.write(json.dumps(r) + "\n")
+
+    return _atomic_build(cache_root() / f"tiny-instruct-{VERSION}", build)
+
+
+def build_tokenizer(out: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|pad|>", "<|bos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [r["prompt"] + r["completion"] for r in make_rows(3000, seed=7)]
+    corpus += ["The quick brown fox jumps over the lazy dog. 0123456789 ,.;:!?'\"()[]{}<>-_=+*/\\@#$%&|~`^"]
+    trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|end|>",
+                                   pad_token="<|pad|>", additional_special_tokens=specials[3:])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.model_max_length = 1024
+    fast.save_pretrained(out)
+    return fast
+
+
+def model_dir() -> Path:
+    """builtin:tiny-llama: 4 layers, hidden 256, GQA 4/2 heads, ~2.6M parameters, fp32 safetensors."""
+
+    def build(tmp: Path):
+        import torch
+        from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+        tok = build_tokenizer(tmp)
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                          rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32")
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                                   pad_token_id=tok.pad_token_id)
+        model.save_pretrained(tmp, safe_serialization=True)
+
+    return _atomic_build(cache_root() / f"tiny-llama-{VERSION}", build)
+
+
+BUILTIN_MODELS = {"builtin:tiny-llama": model_dir}
+BUILTIN_DATASETS = {"builtin:tiny-instruct": dataset_dir}
