@@ -229,9 +229,10 @@ def fingerprint(src: Source, target: str, dtype: str, max_bytes: int) -> dict:
     """What the output depends on. Base shards by name and size (hashing a 140 GB base on every run
     would cost more than the merge); the adapter by content."""
     base_files = sorted((p.name, p.stat().st_size) for p in src.base_dir.glob("*.safetensors"))
-    return {"format": FORMAT_VERSION, "base": src.base_name, "base_files": base_files,
-            "adapter_sha256": _sha256(src.adapter_dir / "adapter_model.safetensors"),
-            "target": target, "dtype": dtype, "max_shard_size": max_bytes}
+    fp = {"format": FORMAT_VERSION, "base": src.base_name, "base_files": base_files,
+          "adapter_sha256": _sha256(src.adapter_dir / "adapter_model.safetensors"),
+          "target": target, "dtype": dtype, "max_shard_size": max_bytes}
+    return json.loads(json.dumps(fp))  # the form it takes in merge_info.json, so the two compare equal
 
 
 def _replace_dir(tmp: Path, out: Path) -> None:

@@ -138,11 +138,13 @@ def _logits_check(src, out_dir: Path, target: str) -> dict:
 
 def _layer_check(src, out_dir: Path, target: str, n_layers: int = 8) -> dict:
     """Big models: peft's LoRA Linear on the base weight vs the merged weight read back from disk."""
+    from peft import LoraConfig
     from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.utils.other import get_pattern_key
     from safetensors import safe_open
 
     from .merge import _base_tensors, _four_bit_weights, quant_spec
-    from .merge_plan import pair_keys, quant_roundtrip, scaling
+    from .merge_plan import pair_keys, quant_roundtrip
 
     ad = safe_open(str(src.adapter_dir / "adapter_model.safetensors"), framework="pt")
     pairs = list(pair_keys(ad.keys()).items())
@@ -163,12 +165,15 @@ def _layer_check(src, out_dir: Path, target: str, n_layers: int = 8) -> dict:
         with safe_open(str(out_dir / (where_out[name] if where_out else "model.safetensors")), "pt") as f:
             merged = f.get_tensor(name).float()
         a, b = ad.get_tensor(ka).float(), ad.get_tensor(kb).float()
-        s = scaling(src.adapter_config, module, a.shape[0])
+        cfg = src.adapter_config
+        alpha = (cfg.get("alpha_pattern") or {}).get(
+            get_pattern_key((cfg.get("alpha_pattern") or {}).keys(), module), cfg.get("lora_alpha", 8))
         base = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
         base.weight.data = w.float()
-        # Scale passed as alpha = s * r with rslora off: peft then uses exactly s, so the check exercises
-        # peft's forward (A then B, dropout off) rather than our own B @ A.
-        layer = LoraLinear(base, "default", r=a.shape[0], lora_alpha=s * a.shape[0], lora_dropout=0.0)
+        # peft's own layer computes the scale (alpha/r or rslora's alpha/sqrt(r)) and the A-then-B forward,
+        # independently of the arithmetic in merge_plan.
+        lcfg = LoraConfig(r=a.shape[0], lora_alpha=alpha, lora_dropout=0.0, use_rslora=bool(cfg.get("use_rslora")))
+        layer = LoraLinear(base, "default", lcfg, r=a.shape[0], lora_alpha=alpha)
         layer.lora_A["default"].weight.data, layer.lora_B["default"].weight.data = a, b
         x = torch.randn(4, w.shape[1], generator=gen)
         with torch.no_grad():
