@@ -21,7 +21,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +42,6 @@ class Source:
     adapter_config: dict
     recipe: recipe_mod.Recipe | None = None
     run_dir: Path | None = None
-    notes: list[str] = field(default_factory=list)
 
 
 def resolve_source(path: str | os.PathLike) -> Source:
