@@ -36,7 +36,7 @@ class Setup:
     """Everything a plan depends on. `from_recipe` fills it from a recipe; CLI flags override fields."""
 
     model: str = "builtin:tiny-llama"
-    gpus: int = 1  # processes (GPUs) per machine
+    gpus: int = 1  # processes (GPUs) in total, over all machines
     machines: int = 1
     gpu_memory: int | None = None
     seq_len: int = 512
@@ -64,13 +64,17 @@ class Setup:
 
     @property
     def world(self) -> int:
-        return self.gpus * self.machines
+        return self.gpus
+
+    @property
+    def per_machine(self) -> int:
+        return max(1, self.gpus // self.machines)
 
 
 def from_recipe(recipe) -> Setup:
     m, q, lo, t, d, f = recipe.model, recipe.quantization, recipe.lora, recipe.train, recipe.distributed, recipe.fsdp
     procs = d.num_processes or 1
-    return Setup(model=m.name, gpus=max(1, procs // d.num_machines), machines=d.num_machines,
+    return Setup(model=m.name, gpus=procs, machines=d.num_machines,
                  seq_len=recipe.data.max_seq_len, micro_batch=t.micro_batch_size, lora_r=lo.r,
                  lora_targets=lo.target_modules, lora_dtype=lo.dtype, lora_dropout=lo.dropout, quant=q.mode,
                  double_quant=q.double_quant, quant_storage=recipe.effective_quant_storage(),
@@ -262,7 +266,7 @@ class Plan:
 def _shards(s: Setup) -> int:
     if s.strategy != "fsdp" or s.sharding == "NO_SHARD":
         return 1
-    return s.gpus if s.sharding == "HYBRID_SHARD" else s.world
+    return s.per_machine if s.sharding == "HYBRID_SHARD" else s.world
 
 
 def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
@@ -274,7 +278,8 @@ def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
     keep_all = s.reshard_after_forward is False or s.sharding == "SHARD_GRAD_OP"
     layers = arch.layers if keep_all else 2
     grads = 2 * w["lora"] // arch.layers  # unsharded gradients before reduce-scatter
-    return layers * per_layer + grads + w["unquantized"] - w["unquantized"] // shard
+    local = 0 if s.offload else w["unquantized"] // shard  # the local shard is already counted on the GPU
+    return layers * per_layer + grads + w["unquantized"] - local
 
 
 def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
@@ -312,7 +317,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
 
 def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str, int]:
     """Peak CPU RAM per machine in each phase."""
-    procs = s.gpus if s.device == "cuda" else max(1, s.gpus)
+    procs = s.per_machine
     base = procs * PROCESS_RAM
     quantized = w["base_4bit"] + w["quant_constants"] + w["unquantized"]
     shard_bf16 = min(SHARD_FILE, arch.params() * 2)
@@ -325,7 +330,7 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
     if not s.low_cpu_mem_usage:
         load += loaders * arch.params() * DTYPE_BYTES[s.model_dtype]
     phases = {"loading": base + load}
-    machine_share = s.gpus / s.world
+    machine_share = s.per_machine / s.world
     if s.offload:
         opt_total = (opt["optimizer_8bit"] + opt["optimizer_32bit"]) * s.world
         sharded = quantized + w["lora"] + grads * s.world + opt_total
@@ -367,7 +372,9 @@ def parse_size(text: str) -> int:
 
 
 def fmt(n: int | None) -> str:
-    return "?" if n is None else f"{n / GiB:.2f} GiB"
+    if n is None:
+        return "?"
+    return f"{n / GiB:.2f} GiB" if abs(n) >= GiB // 2 else f"{n / (1 << 20):.1f} MiB"
 
 
 def render(p: Plan) -> str:
@@ -396,7 +403,7 @@ def _parser() -> argparse.ArgumentParser:
                                  "offline, from the model's config.json or the built-in table.")
     ap.add_argument("recipe", nargs="?", help="recipe YAML (default: a QLoRA run of --model)")
     ap.add_argument("--model", help="hub id, local directory or builtin:tiny-llama")
-    ap.add_argument("--gpus", type=int, help="GPUs (processes) per machine")
+    ap.add_argument("--gpus", type=int, help="GPUs (processes) in total, over all machines")
     ap.add_argument("--machines", type=int)
     ap.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GiB; enables the fit check")
     ap.add_argument("--seq-len", type=int)
@@ -422,7 +429,7 @@ def setup_from_args(a) -> Setup:
                "micro_batch": a.micro_batch, "lora_r": a.lora_r, "offload": a.offload,
                "checkpointing": a.checkpointing, "device": a.device}
     s = replace(s, **{k: v for k, v in updates.items() if v is not None})
-    if a.gpus and a.gpus * s.machines > 1 and s.strategy == "single":
+    if s.gpus > 1 and s.strategy == "single":
         s = replace(s, strategy="fsdp")  # more than one GPU without a strategy: plan the FSDP run
     if s.offload and s.strategy != "fsdp":
         s = replace(s, strategy="fsdp")
