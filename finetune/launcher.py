@@ -229,7 +229,7 @@ def launcher_problems(r: Recipe, env=None) -> list[Problem]:
                                    "(WORLD_SIZE)", fix=f"launch with --num_processes {d.num_processes}, or set "
                                                         f"distributed.num_processes: {world}"))
     local = env.get("LOCAL_WORLD_SIZE")
-    if local and d.num_processes and d.num_machines and int(local) * d.num_machines != d.num_processes:
+    if local and world == d.num_processes and int(local) * d.num_machines != d.num_processes:
         out.append(Problem(level="error", path="distributed.num_machines",
                            message=f"{local} processes per machine x {d.num_machines} machines != "
                                    f"{d.num_processes} processes", fix="make num_processes = per-machine x machines"))
@@ -252,6 +252,12 @@ def _mixed_precision_problems(r: Recipe, env, kind: str) -> list[Problem]:
     want = expected_mixed_precision(r)
     if got.lower() == want:
         return []
+    cast_to = {"bf16": "bfloat16", "fp16": "float16", "no": None}.get(got.lower(), got)
+    if kind == "FSDP" and cast_to in (None, r.effective_quant_storage()):
+        return [Problem(level="warning", path="fsdp.mixed_precision_param_dtype",
+                        message=f"launcher mixed_precision={got}, the recipe plans {want}: FSDP's parameter "
+                                "cast differs (the 4-bit storage is not affected)",
+                        fix=f"set mixed_precision: {want} in the launcher config")]
     if kind == "FSDP":
         return [Problem(level="error", path="fsdp.mixed_precision_param_dtype",
                         message=f"launcher mixed_precision={got} makes FSDP cast parameters (the packed 4-bit "

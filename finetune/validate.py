@@ -26,6 +26,10 @@ def _launched(env) -> bool:
 
 def _cuda():
     """(device count, bf16 supported, memory of device 0) from torch, imported only when needed."""
+    import glob
+
+    if "torch" not in sys.modules and not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+        return 0, False, None  # no NVIDIA or ROCm device node: skip the torch import (seconds)
     import torch
 
     if not torch.cuda.is_available():
