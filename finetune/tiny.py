@@ -63,17 +63,23 @@ def _example(rng: random.Random) -> dict:
     return {"prompt": f"{task}: {' '.join(words)}\n", "completion": " ".join(TASKS[task](words))}
 
 
+# The base model learns each skill under another instruction word. Fine-tuning then has to teach it that
+# "reverse:" means what it knows as "backwards:": instruction tuning unlocking an ability the base already
+# has, which a few hundred LoRA steps can do on a CPU.
+ALIASES = {"reverse": "backwards", "first": "opening", "last": "closing", "rotate": "cycle"}
+
+
 def _pretrain_text(rng: random.Random) -> str:
-    """What the base model 'knows' before fine-tuning: the words, the prompt layout, and that an answer
-    is made of the prompt's words, but with answers drawn at random. It learns the format, not the rules,
-    so the base alone scores near zero exact match and LoRA has something real to learn."""
+    """What the base model 'knows' before fine-tuning: the skills under their alias words, and the real
+    instruction words followed by random answers (so the base alone scores near zero exact match)."""
     words = rng.sample(WORDS, rng.randint(3, 5))
+    task = rng.choice(sorted(TASKS))
     kind = rng.random()
-    if kind < 0.6:
+    if kind < 0.7:
+        return f"{ALIASES[task]}: {' '.join(words)}\n{' '.join(TASKS[task](words))}"
+    if kind < 0.9:
         answer = rng.sample(words, rng.randint(1, len(words)))
-        return f"{rng.choice(sorted(TASKS))}: {' '.join(words)}\n{' '.join(answer)}"
-    if kind < 0.8:  # copying: gives the model attention heads that look things up in the prompt
-        return f"{' '.join(words)}\n{' '.join(words)}"
+        return f"{task}: {' '.join(words)}\n{' '.join(answer)}"
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
 
 
@@ -107,7 +113,9 @@ def build_tokenizer(out: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    rng = random.Random(7)
     corpus = [r["prompt"] + r["completion"] for r in make_rows(3000, seed=7)]
+    corpus += [_pretrain_text(rng) for _ in range(3000)]
     corpus += ["The quick brown fox jumps over the lazy dog. 0123456789 ,.;:!?'\"()[]{}<>-_=+*/\\@#$%&|~`^"]
     trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -121,7 +129,7 @@ def build_tokenizer(out: Path):
 
 
 ASSETS = Path(__file__).parent / "assets"
-PRETRAIN_STEPS = 1200
+PRETRAIN_STEPS = 2000
 
 
 def _pretrain(model, tok, steps: int, seed: int = 0):
