@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -101,7 +102,39 @@ def plan_steps(recipe: Recipe, examples: list, world: int) -> tuple[int, int]:
     return per_epoch, total
 
 
+class StopSignal:
+    """SIGTERM (preemption) or SIGINT: finish the current step, write a checkpoint, exit 0.
+    Every rank gets the signal from the launcher; the flag is also OR-ed across ranks so they agree."""
+
+    def __init__(self):
+        self.signum = None
+        self.previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a notebook worker): no handler, no preemption save
+                pass
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def requested(self, acc) -> bool:
+        return global_sum(acc, 1.0 if self.signum is not None else 0.0) > 0
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def train(recipe: Recipe, run_dir: Path) -> dict:
+    stop = StopSignal()
+    try:
+        return _train(recipe, run_dir, stop)
+    finally:
+        stop.restore()
+
+
+def _train(recipe: Recipe, run_dir: Path, stop: StopSignal) -> dict:
     acc, tok, model, prepared = setup(recipe)
     rank, world, dev = acc.process_index, acc.num_processes, acc.device
     per_epoch, total_steps = plan_steps(recipe, prepared.train, world)
@@ -167,6 +200,12 @@ def train(recipe: Recipe, run_dir: Path) -> dict:
             metrics.log(step, eval_loss=round(evaluate(model, eval_batches, acc, t, recipe.eval.max_batches), 6))
         if (t.save_every and step % t.save_every == 0) or step == total_steps:
             save_checkpoint(acc, model, optimizer, scheduler, ckpt_root, step, epoch, cursor, t.keep_checkpoints)
+        elif stop.requested(acc):
+            save_checkpoint(acc, model, optimizer, scheduler, ckpt_root, step, epoch, cursor, t.keep_checkpoints)
+            print0(f"stopped by signal {stop.signum}: wrote checkpoints/step-{step}; re-run the same command to "
+                   "resume")
+            metrics.close()
+            return {"step": step, "stopped": True, **last}
     final = {"step": step, **last}
     if eval_batches:
         final["eval_loss"] = evaluate(model, eval_batches, acc, t, recipe.eval.max_batches)
