@@ -129,7 +129,7 @@ def build_tokenizer(out: Path):
 
 
 ASSETS = Path(__file__).parent / "assets"
-PRETRAIN_STEPS = 2000
+PRETRAIN_STEPS = 1500
 
 
 def _pretrain(model, tok, steps: int, seed: int = 0):
@@ -142,7 +142,7 @@ def _pretrain(model, tok, steps: int, seed: int = 0):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
     model.train()
     for step in range(steps):
-        texts = [_pretrain_text(rng) for _ in range(32)]
+        texts = [_pretrain_text(rng) for _ in range(48)]
         enc = tok([t + tok.eos_token for t in texts], return_tensors="pt", padding=True)
         labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
         loss = model(**enc, labels=labels).loss
