@@ -159,7 +159,7 @@ def read_jsonl(path: Path, bad: BadRows) -> Iterator[dict]:
     for lineno, raw in _lines(path):
         where = f"{path}:{lineno}"
         if raw is None:
-            bad.add(where, f"line longer than {MAX_ROW_BYTES >> 20} MiB")
+            bad.add(where, f"line longer than the limit of {MAX_ROW_BYTES} bytes")
             continue
         if lineno == 1:
             raw = raw.removeprefix(b"\xef\xbb\xbf")  # UTF-8 byte-order mark (Windows editors)
