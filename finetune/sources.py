@@ -164,7 +164,7 @@ def read_jsonl(path: Path, bad: BadRows) -> Iterator[dict]:
         if lineno == 1:
             raw = raw.removeprefix(b"\xef\xbb\xbf")  # UTF-8 byte-order mark (Windows editors)
         try:
-            text = _decode(raw)
+            text = _decode(raw.rstrip(b"\r\n"))
         except UnicodeDecodeError as e:
             bad.add(where, f"not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})")
             continue
