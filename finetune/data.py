@@ -81,8 +81,9 @@ def _chat(tok, messages: list[dict], template: str | None, train_on_inputs: bool
     spans = []
     for i, m in enumerate(messages):
         if (m["role"] == "assistant") if first_trained is None else (i >= first_trained):
-            head = render(messages[:i], gen=m["role"] == "assistant") if i else ""
             upto = render(messages[: i + 1])
+            # transformers cannot render an empty chat: for a first message, its header ends where its content starts
+            head = render(messages[:i], gen=m["role"] == "assistant") if i else upto[: max(upto.find(m["content"]), 0)]
             if not (full.startswith(upto) and upto.startswith(head)):
                 raise ValueError("the chat template does not render the start of a chat as a prefix of the "
                                  "whole (it rewrites earlier turns); give it {% generation %} markers")
@@ -239,7 +240,8 @@ def _read_all(spec: DataSpec, bad: BadRows, rng: random.Random):
     for i, src in enumerate(spec.eval_sources):
         fmt, rows = read_source(src, bad, f"data.eval_sources[{i}]")
         held += [(fmt, r) for r in rows]
-    rng.shuffle(train)
+    if len(spec.sources) > 1:  # interleave the sources (one source is already in shuffled order)
+        rng.shuffle(train)
     return train[: spec.max_samples] if spec.max_samples else train, held, per_source
 
 

@@ -397,7 +397,9 @@ def read_source(src: DataSource, bad: BadRows, label: str) -> tuple[str, list[di
     declared), every row checked against it, at most `max_samples` good rows (in file order)."""
     fmt, rows, bad_before = src.format, [], len(bad)
     rename = {old: new for new, old in src.fields.items()}
-    for row in iter_rows(src, bad):
+    from datasets.utils import tqdm  # honours datasets' progress-bar switch; silent when not a terminal
+
+    for row in tqdm(iter_rows(src, bad), desc=f"reading {src.path}", unit=" rows", leave=False, disable=None):
         if rename:
             row = {rename.get(k, k): v for k, v in row.items()}
         if fmt == "auto":

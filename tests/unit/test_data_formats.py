@@ -110,3 +110,9 @@ def test_chat_without_any_template_says_so(tok):
 
     with pytest.raises(ValueError, match="chat template"):
         D._chat(NoTemplate(), CHAT, None, False)
+
+
+def test_a_chat_opening_with_the_assistant_trains_its_reply_not_the_header(tok):
+    ex = D.encode({"messages": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
+                                {"role": "assistant", "content": "red"}]}, "auto", tok, DataSpec())
+    assert spans(tok, ex) == ["hello<|end|>\n", "red<|end|>\n"]
