@@ -66,7 +66,8 @@ def fsdp_plugin_kwargs(fsdp: FsdpSpec, model_dtype: str, on_cpu: bool) -> dict:
     kw: dict = {"fsdp_version": fsdp.version, "state_dict_type": fsdp.state_dict_type,
                 "activation_checkpointing": False}  # checkpointing is model.gradient_checkpointing's job
     if v1:
-        kw["sharding_strategy"] = fsdp.sharding_strategy
+        # Accelerate takes FSDP1's strategy as `reshard_after_forward` too; `sharding_strategy` is deprecated.
+        kw["reshard_after_forward"] = fsdp.sharding_strategy
     else:
         if fsdp.reshard_after_forward is not None:
             kw["reshard_after_forward"] = fsdp.reshard_after_forward
@@ -219,7 +220,8 @@ def describe_fsdp(accelerator) -> str:
     if plugin.fsdp_version == 2:
         shard = f"reshard_after_forward={plugin.reshard_after_forward}"
     else:
-        shard = f"sharding_strategy={plugin.sharding_strategy.name}, use_orig_params={plugin.use_orig_params}"
+        strategy = plugin.sharding_strategy or plugin.reshard_after_forward
+        shard = f"sharding_strategy={strategy.name}, use_orig_params={plugin.use_orig_params}"
     if plugin.transformer_cls_names_to_wrap:
         wrap = "wrapping " + ", ".join(plugin.transformer_cls_names_to_wrap)
     else:
