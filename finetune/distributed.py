@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from finetune.recipe import DistributedSpec, FsdpSpec, RecipeError, TrainSpec
+from .recipe import DistributedSpec, FsdpSpec, RecipeError, TrainSpec
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -161,23 +161,22 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
 
 
 @contextlib.contextmanager
-def autocast(accelerator_or_spec):
+def autocast(accelerator_or_spec, device_type: str | None = None):
     """Autocast for the forward pass (bf16/fp16 from train.mixed_precision; "no": nothing).
 
-    Takes the Accelerator from `make_accelerator` or a TrainSpec. Parameters keep their dtype: only the
-    matmuls run in the low-precision type, so fp32 master weights and fp32 buffers are preserved.
+    Takes the Accelerator from `make_accelerator`, or a TrainSpec plus the device type. Parameters keep
+    their dtype: only the matmuls run in the low-precision type, so fp32 master weights and fp32
+    buffers are preserved.
     """
     if isinstance(accelerator_or_spec, TrainSpec):
-        dtype, device_type = _AUTOCAST_DTYPES[accelerator_or_spec.mixed_precision], None
+        dtype = _AUTOCAST_DTYPES[accelerator_or_spec.mixed_precision]
     else:
         dtype = getattr(accelerator_or_spec, "_finetune_autocast_dtype", None)
-        device_type = accelerator_or_spec.device.type
+        device_type = device_type or accelerator_or_spec.device.type
     if dtype is None:
         yield
         return
-    if device_type is None:
-        device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.autocast(device_type=device_type, dtype=dtype):
+    with torch.autocast(device_type=device_type or ("cuda" if torch.cuda.is_available() else "cpu"), dtype=dtype):
         yield
 
 

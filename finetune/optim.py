@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from finetune.recipe import TrainSpec
+from .recipe import TrainSpec
 
 _notices: set[str] = set()
 
@@ -23,7 +23,7 @@ _notices: set[str] = set()
 def _notice_once(msg: str) -> None:
     if msg not in _notices:
         _notices.add(msg)
-        from finetune.distributed import print0
+        from .distributed import print0
         print0(msg)
 
 
@@ -120,29 +120,28 @@ def sharded_adamw8bit_cls():
     return _SHARDED_CLS
 
 
-def param_groups(params_or_named, weight_decay: float) -> list[dict]:
+def param_groups(model_or_params, weight_decay: float) -> list[dict]:
     """Trainable parameters in two groups: decay on >= 2-D weights (LoRA A/B), none on vectors (biases)."""
-    items = list(params_or_named)
-    named = [(n, p) for n, p in items] if items and isinstance(items[0], tuple) else \
-        [(str(i), p) for i, p in enumerate(items)]
-    trainable = [(n, p) for n, p in named if p.requires_grad]
+    params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
+    trainable = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, param) pairs or params
+    trainable = [p for p in trainable if p.requires_grad]
     if not trainable:
         raise ValueError("no trainable parameters: was LoRA applied?")
-    decay = [p for _, p in trainable if p.dim() >= 2]
-    other = [p for _, p in trainable if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if other:
-        groups.append({"params": other, "weight_decay": 0.0})
+    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay}]
+    rest = [p for p in trainable if p.dim() < 2]
+    if rest:
+        groups.append({"params": rest, "weight_decay": 0.0})
     return groups
 
 
-def build_optimizer(params_or_named, train: TrainSpec) -> torch.optim.Optimizer:
-    """The optimizer named by `train.optimizer`, over the trainable parameters only.
+def build_optimizer(model_or_params, train: TrainSpec) -> torch.optim.Optimizer:
+    """The optimizer named by `train.optimizer`, over the trainable parameters of a module, an iterable of
+    parameters, or of (name, parameter) pairs.
 
     Build it on the un-wrapped model and pass it to `distributed.prepare` with the model: FSDP2 swaps
     the parameters, and Accelerate re-points the optimizer at the new ones.
     """
-    groups = param_groups(params_or_named, train.weight_decay)
+    groups = param_groups(model_or_params, train.weight_decay)
     common = dict(lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_epsilon)
     if train.optimizer == "adamw_torch":
         return torch.optim.AdamW(groups, **common)

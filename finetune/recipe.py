@@ -178,8 +178,11 @@ class TrainSpec(_Section):
     """paged_adamw_8bit (bitsandbytes; paging needs CUDA and falls back to plain 8-bit elsewhere),
     adamw_8bit, or torch's AdamW (32-bit state)."""
     adam_beta1: float = Field(0.9, gt=0, lt=1)
+    """Adam's decay rate of the gradient running mean."""
     adam_beta2: float = Field(0.999, gt=0, lt=1)
+    """Adam's decay rate of the squared-gradient running mean."""
     adam_epsilon: float = Field(1e-8, gt=0)
+    """Adam's denominator term, for numerical stability."""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     """Autocast dtype of the forward pass. Master weights and buffers stay in their stored dtype."""
     log_every: int = Field(10, ge=1)

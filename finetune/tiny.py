@@ -1,9 +1,9 @@
 """Builtin assets the project makes itself, so nothing is downloaded: a tiny Llama and a synthetic
 instruction set. `builtin:tiny-llama` and `builtin:tiny-instruct` in a recipe resolve here.
 
-The model is a randomly initialised Llama (GQA, RoPE, SwiGLU: the real architecture, scaled down) with a
-byte-level BPE tokenizer trained on the synthetic corpus. The task (reverse, sort or pick words) is easy
-to learn with LoRA and impossible to guess, so learning is plain to see in loss and exact match.
+The model is a small Llama (GQA, RoPE, SwiGLU: the real architecture, scaled down) with a
+byte-level BPE tokenizer trained on the synthetic corpus. The tasks (reverse, rotate, first or last word) are
+easy to learn with LoRA and hard to guess, so learning is plain to see in loss and exact match.
 
 Everything is deterministic and written atomically (build in a temp dir, then rename), so several ranks
 building at once is safe.
@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-VERSION = "v2"  # bump when the builder changes: a new cache directory, never a stale mix
+VERSION = "v3"  # bump when the builder changes: a new cache directory, never a stale mix
 WORDS = ("red blue green black white pink gold gray cat dog fox owl bee cow pig ant sun moon star rain "
          "snow wind tree rock lake hill road ship car bus one two six ten").split()
 CHAT_TEMPLATE = (
@@ -49,11 +49,32 @@ def _atomic_build(target: Path, build) -> Path:
     return target
 
 
+TASKS = {
+    "reverse": lambda w: w[::-1],
+    "first": lambda w: w[:1],
+    "last": lambda w: w[-1:],
+    "rotate": lambda w: w[1:] + w[:1],
+}
+
+
 def _example(rng: random.Random) -> dict:
     words = rng.sample(WORDS, rng.randint(3, 5))
-    task = rng.choice(["reverse", "sort", "first", "last"])
-    answer = {"reverse": words[::-1], "sort": sorted(words), "first": words[:1], "last": words[-1:]}[task]
-    return {"prompt": f"{task}: {' '.join(words)}\n", "completion": " ".join(answer)}
+    task = rng.choice(sorted(TASKS))
+    return {"prompt": f"{task}: {' '.join(words)}\n", "completion": " ".join(TASKS[task](words))}
+
+
+def _pretrain_text(rng: random.Random) -> str:
+    """What the base model 'knows' before fine-tuning: the words, the prompt layout, and that an answer
+    is made of the prompt's words, but with answers drawn at random. It learns the format, not the rules,
+    so the base alone scores near zero exact match and LoRA has something real to learn."""
+    words = rng.sample(WORDS, rng.randint(3, 5))
+    kind = rng.random()
+    if kind < 0.6:
+        answer = rng.sample(words, rng.randint(1, len(words)))
+        return f"{rng.choice(sorted(TASKS))}: {' '.join(words)}\n{' '.join(answer)}"
+    if kind < 0.8:  # copying: gives the model attention heads that look things up in the prompt
+        return f"{' '.join(words)}\n{' '.join(words)}"
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
 
 
 def make_rows(n: int, seed: int) -> list[dict]:
@@ -99,25 +120,67 @@ def build_tokenizer(out: Path):
     return fast
 
 
+ASSETS = Path(__file__).parent / "assets"
+PRETRAIN_STEPS = 1200
+
+
+def _pretrain(model, tok, steps: int, seed: int = 0):
+    """Full-parameter language modelling on `_pretrain_text`, so the shipped base is a (tiny) pretrained
+    model and not random noise: a frozen random base is a poor starting point for LoRA."""
+    import torch
+
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
+    model.train()
+    for step in range(steps):
+        texts = [_pretrain_text(rng) for _ in range(32)]
+        enc = tok([t + tok.eos_token for t in texts], return_tensors="pt", padding=True)
+        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
+        loss = model(**enc, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"pretrain step {step}: loss {loss.item():.3f}", flush=True)
+    model.eval()
+
+
+def build_model(out: Path, steps: int = PRETRAIN_STEPS):
+    """Tokenizer + random init + a short pretraining, saved as bf16 safetensors (5 MB)."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    tok = build_tokenizer(out)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg)
+    _pretrain(model, tok, steps)
+    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                               pad_token_id=tok.pad_token_id)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+
+
 def model_dir() -> Path:
-    """builtin:tiny-llama: 4 layers, hidden 256, GQA 4/2 heads, ~2.6M parameters, fp32 safetensors."""
+    """builtin:tiny-llama: 4 layers, hidden 256, GQA 4/2 heads, ~2.6M parameters. Shipped in the package
+    (finetune/assets); rebuilt into the cache only if the assets are missing."""
+    shipped = ASSETS / f"tiny-llama-{VERSION}"
+    if (shipped / "model.safetensors").exists():
+        return shipped
+    return _atomic_build(cache_root() / f"tiny-llama-{VERSION}", build_model)
 
-    def build(tmp: Path):
-        import torch
-        from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-        tok = build_tokenizer(tmp)
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                          rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, torch_dtype="float32")
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg)
-        model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                                   pad_token_id=tok.pad_token_id)
-        model.save_pretrained(tmp, safe_serialization=True)
-
-    return _atomic_build(cache_root() / f"tiny-llama-{VERSION}", build)
+if __name__ == "__main__":  # python -m finetune.tiny: regenerate the shipped assets
+    target = ASSETS / f"tiny-llama-{VERSION}"
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    build_model(target)
+    print(f"wrote {target}")
 
 
 BUILTIN_MODELS = {"builtin:tiny-llama": model_dir}

@@ -21,19 +21,14 @@ SEQ, GLOBAL_BATCH, VOCAB = 32, 8, 384
 
 
 def load_qlora_model():
-    # Minimal stand-in for finetune.model.load_model + finetune.lora.apply_lora (being written on main).
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    """The tiny base in 4-bit NF4 (double quant, bf16 compute, fp32 storage, fp32 model) + LoRA r=16 on
+    every linear, dropout 0 so 1 and 2 processes compute the same thing."""
+    from finetune.lora import apply_lora
+    from finetune.model import load_model
+    from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
 
-    from finetune import tiny
-
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny.model_dir()), quantization_config=quant,
-                                                 dtype=torch.float32)
-    torch.manual_seed(0)  # identical LoRA init on every rank and in the 1-process reference
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), notice=lambda *_: None)
+    return apply_lora(model, LoraSpec(r=16, alpha=32, dropout=0.0), seed=0)
 
 
 def batches(steps: int):

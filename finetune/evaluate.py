@@ -1,0 +1,124 @@
+"""`eval` and `generate`: run outside any FSDP wrapper, in one process, from RUN_DIR alone.
+
+The base is loaded exactly as training saw it (same quantization), the adapter from RUN_DIR/adapter.
+`eval` reports held-out loss with and without the adapter, and greedy exact match on prompt/completion rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from . import data as data_mod
+from .recipe import RecipeError
+from .rundir import read_recipe
+
+
+def load_run(run_dir: Path):
+    """(recipe, tokenizer, PeftModel over the quantized base) for a finished run."""
+    from peft import PeftModel
+
+    from .model import load_model, load_tokenizer
+
+    adapter = run_dir / "adapter"
+    if not (run_dir / "recipe.yaml").exists() or not (adapter / "adapter_config.json").exists():
+        raise RecipeError([f"{run_dir}: not a finished run dir (needs recipe.yaml and adapter/)"])
+    recipe = read_recipe(run_dir)
+    tok = load_tokenizer(recipe.model, path=str(adapter))
+    base = load_model(recipe.model, recipe.quantization, notice=lambda *_: None)
+    model = PeftModel.from_pretrained(base, str(adapter))
+    model.eval()
+    return recipe, tok, model
+
+
+def _prompt_completion(row: dict) -> tuple[str, str] | None:
+    if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
+        return row["prompt"], row["completion"]
+    if isinstance(row.get("instruction"), str) and isinstance(row.get("output"), str):
+        return row["instruction"] + ("\n" + row["input"] if row.get("input") else "") + "\n", row["output"]
+    return None
+
+
+@torch.no_grad()
+def greedy(model, tok, prompts: list[str], max_new_tokens: int, batch_size: int = 16) -> list[str]:
+    tok.padding_side = "left"  # generation continues from the right end of every row
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        enc = tok(prompts[i: i + batch_size], return_tensors="pt", padding=True)
+        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        out += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return out
+
+
+def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int) -> float | None:
+    pairs = [p for p in (_prompt_completion(r) for r in rows) if p][:n]
+    if not pairs:
+        return None
+    outs = greedy(model, tok, [p for p, _ in pairs], max_new_tokens)
+    return sum(o.strip() == c.strip() for o, (_, c) in zip(outs, pairs)) / len(pairs)
+
+
+@torch.no_grad()
+def heldout_loss(model, examples, recipe) -> float:
+    from .train import token_loss_sum
+
+    total = count = 0
+    batches = data_mod.batches(examples, recipe.train.micro_batch_size, 0, False, recipe.data.max_seq_len)
+    for i, b in enumerate(batches):
+        if recipe.eval.max_batches and i >= recipe.eval.max_batches:
+            break
+        loss, n = token_loss_sum(model, b, "cpu" if not torch.cuda.is_available() else "cuda", recipe.train)
+        total, count = total + float(loss), count + n
+    return total / max(count, 1)
+
+
+def run_eval(run_dir: Path) -> dict:
+    recipe, tok, model = load_run(run_dir)
+    prepared = data_mod.prepare(recipe.data, tok)
+    if not prepared.eval:
+        raise RecipeError(["data: no held-out rows; set data.eval_sources or data.eval_split > 0"])
+    n, mnt = recipe.eval.exact_match_samples, recipe.eval.max_new_tokens
+    res = {"eval_loss": heldout_loss(model, prepared.eval, recipe),
+           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt)}
+    with model.disable_adapter():
+        res["base_eval_loss"] = heldout_loss(model, prepared.eval, recipe)
+        res["base_exact_match"] = exact_match(model, tok, prepared.eval_rows, n, mnt)
+    res["eval_rows"] = len(prepared.eval)
+    res["perplexity"] = float(torch.exp(torch.tensor(res["eval_loss"])))
+    return res
+
+
+def main_eval(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="finetune eval", description="Held-out loss and exact match of a run.")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = ap.parse_args(argv)
+    res = run_eval(args.run_dir)
+    for k, v in res.items():
+        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+    if args.json:
+        print(json.dumps(res))
+    return 0
+
+
+def main_generate(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="finetune generate", description="Greedy or sampled text from a run.")
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--prompt", action="append", required=True, help="may be given several times")
+    ap.add_argument("--max-new-tokens", type=int, default=None)
+    ap.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")
+    args = ap.parse_args(argv)
+    recipe, tok, model = load_run(args.run_dir)
+    mnt = args.max_new_tokens or recipe.eval.max_new_tokens
+    prompts = [p.encode().decode("unicode_escape") for p in args.prompt]  # allow "\n" on the command line
+    if args.no_adapter:
+        with model.disable_adapter():
+            outs = greedy(model, tok, prompts, mnt)
+    else:
+        outs = greedy(model, tok, prompts, mnt)
+    for p, o in zip(prompts, outs):
+        print(json.dumps({"prompt": p, "output": o}))
+    return 0

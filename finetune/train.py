@@ -1,0 +1,224 @@
+"""The training loop: one explicit loop, readable top to bottom.
+
+setup (accelerator, tokenizer, 4-bit base, LoRA, data, optimizer) -> resume -> for each optimizer step:
+accumulate micro-batches under autocast, clip, step, log, evaluate, checkpoint -> save the adapter.
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import checkpoint, data as data_mod
+from .distributed import autocast, make_accelerator, print0
+from .lora import apply_lora, trainable_report
+from .metrics import Metrics
+from .model import enable_checkpointing, load_model, load_tokenizer
+from .optim import build_optimizer, build_scheduler
+from .recipe import Recipe, RecipeError
+from .rundir import write_recipe
+
+
+def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[torch.Tensor, int]:
+    """Sum of next-token cross-entropy over trained tokens, and their count.
+
+    Summing (not averaging) per micro-batch lets the caller divide by the tokens of the whole optimizer
+    step across all ranks, so micro-batch x accumulation x processes never changes the result."""
+    labels = batch["labels"]
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    with autocast(train_spec, device_type):
+        logits = model(**inputs, use_cache=False).logits
+    shift_logits = logits[:, :-1].float()  # loss in fp32 even under bf16 autocast
+    shift_labels = labels[:, 1:]
+    loss = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
+                           ignore_index=data_mod.IGNORE, reduction="sum")
+    return loss, int((shift_labels != data_mod.IGNORE).sum())
+
+
+def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int):
+    """This rank's micro-batches for an epoch. The order depends only on (shuffle_seed, epoch), so a
+    resumed run sees the same data, and each global batch is split across ranks."""
+    order = list(examples)
+    random.Random(spec.data.shuffle_seed * 1000 + epoch).shuffle(order)
+    mb = spec.train.micro_batch_size
+    if spec.data.packing:
+        order = data_mod.pack(order, spec.data.max_seq_len)
+    global_batches = [order[i: i + mb * world] for i in range(0, len(order) - mb * world + 1, mb * world)]
+    collate = data_mod.collate_packed if spec.data.packing else data_mod.collate
+    return [collate(g[rank * mb:(rank + 1) * mb], pad_id) for g in global_batches]
+
+
+def global_sum(accelerator, value: float) -> float:
+    if accelerator.num_processes == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
+    return float(accelerator.reduce(t, reduction="sum").item())
+
+
+@torch.no_grad()
+def evaluate(model, batches, accelerator, train_spec, max_batches=None) -> float:
+    """Mean held-out token loss (all ranks take part: a sharded model needs every rank's forward)."""
+    model.eval()
+    total = count = 0.0
+    for i, b in enumerate(batches):
+        if max_batches and i >= max_batches:
+            break
+        b = {k: v.to(accelerator.device) for k, v in b.items()}
+        loss, n = token_loss_sum(model, b, accelerator.device.type, train_spec)
+        total += float(loss)
+        count += n
+    model.train()
+    total, count = global_sum(accelerator, total), global_sum(accelerator, count)
+    return total / max(count, 1)
+
+
+def setup(recipe: Recipe):
+    acc = make_accelerator(recipe.distributed, recipe.fsdp, recipe.train, recipe.model.dtype)
+    torch.manual_seed(recipe.train.seed)
+    tok = load_tokenizer(recipe.model)
+    with acc.main_process_first():  # builtin assets and data caches are built once per node
+        prepared = data_mod.prepare(recipe.data, tok)
+    model = load_model(recipe.model, recipe.quantization, notice=print0)
+    enable_checkpointing(model, recipe.model)
+    model = apply_lora(model, recipe.lora, seed=recipe.train.seed)
+    return acc, tok, model, prepared
+
+
+def plan_steps(recipe: Recipe, examples: list, world: int) -> tuple[int, int]:
+    """(micro-batches per epoch per rank, total optimizer steps)."""
+    t = recipe.train
+    rows = len(data_mod.pack(examples, recipe.data.max_seq_len)) if recipe.data.packing else len(examples)
+    per_epoch = rows // (t.micro_batch_size * world)
+    if per_epoch < t.gradient_accumulation_steps:
+        raise RecipeError([f"data: {rows} rows make {per_epoch} micro-batches of {t.micro_batch_size} x "
+                           f"{world} processes, fewer than one optimizer step "
+                           f"({t.gradient_accumulation_steps} micro-batches)"])
+    total = t.max_steps or math.ceil(t.epochs * per_epoch / t.gradient_accumulation_steps)
+    return per_epoch, total
+
+
+def train(recipe: Recipe, run_dir: Path) -> dict:
+    acc, tok, model, prepared = setup(recipe)
+    rank, world, dev = acc.process_index, acc.num_processes, acc.device
+    per_epoch, total_steps = plan_steps(recipe, prepared.train, world)
+    t = recipe.train
+    optimizer = build_optimizer(model, t)
+    scheduler = build_scheduler(optimizer, t, total_steps)
+    model, optimizer = acc.prepare(model, optimizer)
+    ckpt_root = run_dir / "checkpoints"
+
+    step, epoch, cursor = 0, 0, 0  # cursor: micro-batches consumed in the current epoch
+    resume_from = resolve_resume(t.resume, ckpt_root)
+    if resume_from is not None:
+        state = checkpoint.verify(resume_from, world)
+        load_adapter_into(model, resume_from / "adapter", acc)
+        checkpoint.load_training_state(resume_from, rank, optimizer, scheduler)
+        step, epoch, cursor = state["step"], state["data"]["epoch"], state["data"]["cursor"]
+        print0(f"resume: from {resume_from} (step {step})")
+    if acc.is_main_process:
+        write_recipe(run_dir, recipe)
+        print0(f"model: {trainable_report(model)}; data: {prepared.stats['rows']} rows, "
+               f"{prepared.stats['trained_tokens']} trained tokens; {total_steps} steps")
+    eval_batches = data_mod.batches(prepared.eval[rank::world], t.micro_batch_size, tok.pad_token_id, False,
+                                    recipe.data.max_seq_len)
+    metrics = Metrics(run_dir, total_steps, step, recipe.output.progress_bar)
+    model.train()
+    batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id)
+    tokens_seen, t_log = 0, time.perf_counter()
+    last = {}
+    while step < total_steps:
+        # Gather this step's micro-batches first: the loss is normalised by the trained tokens of the
+        # whole step on every rank, which must be known before the first backward.
+        micro = []
+        while len(micro) < t.gradient_accumulation_steps:
+            if cursor >= len(batches):
+                epoch, cursor = epoch + 1, 0
+                batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id)
+            micro.append({k: v.to(dev) for k, v in batches[cursor].items()})
+            cursor += 1
+        local_tokens = sum(int((b["labels"][:, 1:] != data_mod.IGNORE).sum()) for b in micro)
+        step_tokens = global_sum(acc, local_tokens)
+        loss_total = 0.0
+        for b in micro:
+            loss_sum, _ = token_loss_sum(model, b, dev.type, t)
+            # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
+            acc.backward(loss_sum * world / step_tokens)
+            loss_total += loss_sum.item()
+        grad_norm = acc.clip_grad_norm_(model.parameters(), t.max_grad_norm) if t.max_grad_norm else None
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += step_tokens
+        loss = global_sum(acc, loss_total) / step_tokens
+        last = {"loss": loss, "lr": scheduler.get_last_lr()[0]}
+        metrics.step(step, **last)
+        if step % t.log_every == 0 or step == total_steps or step == 1:
+            elapsed = time.perf_counter() - t_log
+            metrics.log(step, epoch=epoch, loss=round(loss, 6), lr=last["lr"],
+                        grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
+                        tokens_per_s=round(tokens_seen / max(elapsed, 1e-9), 1))
+            tokens_seen, t_log = 0, time.perf_counter()
+        if t.eval_every and step % t.eval_every == 0 and eval_batches:
+            metrics.log(step, eval_loss=round(evaluate(model, eval_batches, acc, t, recipe.eval.max_batches), 6))
+        if (t.save_every and step % t.save_every == 0) or step == total_steps:
+            save_checkpoint(acc, model, optimizer, scheduler, ckpt_root, step, epoch, cursor, t.keep_checkpoints)
+    final = {"step": step, **last}
+    if eval_batches:
+        final["eval_loss"] = evaluate(model, eval_batches, acc, t, recipe.eval.max_batches)
+        metrics.log(step, eval_loss=round(final["eval_loss"], 6))
+    export_adapter(acc, model, tok, run_dir)
+    metrics.close()
+    acc.wait_for_everyone()
+    return final
+
+
+def resolve_resume(resume, ckpt_root: Path) -> Path | None:
+    checkpoint.clean_partial(ckpt_root)
+    if resume is False:
+        if checkpoint.latest(ckpt_root):
+            raise RecipeError([f"train.resume: false, but {ckpt_root} holds checkpoints; use another "
+                               "output.dir or resume: auto"])
+        return None
+    if resume in ("auto", True):
+        return checkpoint.latest(ckpt_root)
+    p = Path(resume)
+    if not (p / checkpoint.MANIFEST).exists():
+        raise RecipeError([f"train.resume: {resume} is not a complete checkpoint directory"])
+    return p
+
+
+def adapter_state(acc, model) -> dict:
+    """Full-shape adapter weights on rank 0 (gathered when sharded)."""
+    from peft import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(acc.unwrap_model(model))
+
+
+def load_adapter_into(model, adapter_dir: Path, acc):
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(acc.unwrap_model(model), load_file(str(adapter_dir / "adapter_model.safetensors")))
+
+
+def save_checkpoint(acc, model, optimizer, scheduler, root, step, epoch, cursor, keep):
+    state = adapter_state(acc, model)
+    cfg = acc.unwrap_model(model).peft_config["default"]
+    checkpoint.save(root, step, rank=acc.process_index, world=acc.num_processes, barrier=acc.wait_for_everyone,
+                    adapter=(cfg, state) if acc.is_main_process else None, optimizer=optimizer,
+                    scheduler=scheduler, data_state={"epoch": epoch, "cursor": cursor}, keep=keep)
+
+
+def export_adapter(acc, model, tok, run_dir: Path):
+    """RUN_DIR/adapter: PEFT format, full shapes, with the tokenizer beside it."""
+    state = adapter_state(acc, model)
+    if acc.is_main_process:
+        out = run_dir / "adapter"
+        cfg = acc.unwrap_model(model).peft_config["default"]
+        checkpoint.write_adapter(out, cfg, state)
+        tok.save_pretrained(str(out))

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv with the tested, pinned versions (constraints.txt). Safe to re-run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# torch first and by exact version: an unpinned `pip install torch` pulls a multi-GB CUDA build here.
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -c constraints.txt -e ".[test]"

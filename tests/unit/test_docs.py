@@ -1,0 +1,33 @@
+"""docs/recipe_reference.md is generated from the schema and must not drift from it."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune import docs
+from finetune.recipe import field_docs
+
+ROOT = Path(__file__).resolve().parents[2]
+PAGE = ROOT / "docs" / "recipe_reference.md"
+
+
+def test_committed_reference_matches_the_schema():
+    assert PAGE.read_text(encoding="utf-8") == docs.render(), \
+        "docs/recipe_reference.md is stale: run `python -m finetune.docs` and commit the result"
+
+
+def test_check_mode_detects_drift(tmp_path):
+    stale = tmp_path / "ref.md"
+    assert docs.main(["--output", str(stale)]) == 0
+    assert docs.main(["--check", "--output", str(stale)]) == 0
+    stale.write_text(stale.read_text().replace("LoRA rank.", "LoRA rank (old text)."))
+    assert docs.main(["--check", "--output", str(stale)]) == 1
+
+
+def test_every_field_is_documented_with_its_default():
+    page = docs.render()
+    for key, _default, doc in field_docs():
+        assert doc, f"{key} has no docstring in finetune/recipe.py"
+        assert f"| `{key}` |" in page
+    assert "| `lora.r` | int (>= 1, <= 4096) | `16` |" in page
+    assert "| `model.revision` | str / null | `null` |" in page
+    assert "| `data.sources[].path` | str | `(required)` |" in page
