@@ -255,14 +255,16 @@ def disable_cpu_weight_repacking(model) -> int:
     return n
 
 
-def prepare(accelerator, model, optimizer, *others):
-    """accelerator.prepare(model, optimizer, *others) plus what FSDP needs around it.
+def prepare(accelerator, model, optimizer):
+    """(model, optimizer) = accelerator.prepare(model, optimizer) plus what FSDP needs around it.
 
     Before: bitsandbytes' in-place CPU repacking is switched off (see disable_cpu_weight_repacking) and
     the wrap policy is completed from the loaded model. After: the model must really be sharded
     (a silent unsharded run proves nothing), and rank 0 logs one line saying how.
     FSDP2 swaps parameters for DTensors; the optimizer is handed the new ones by Accelerate, which is why
-    model and optimizer go through prepare together.
+    model and optimizer go through prepare together. Keep the LR scheduler out of accelerator.prepare:
+    its AcceleratedScheduler steps once per process on every call (it assumes steps were counted for
+    one process), so with 2 processes warmup and decay would run twice as fast.
     """
     from accelerate.utils import DistributedType
 
@@ -270,7 +272,7 @@ def prepare(accelerator, model, optimizer, *others):
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     if fsdp:
         complete_wrap_policy(accelerator.state.fsdp_plugin, model)
-    out = accelerator.prepare(model, optimizer, *others)
+    out = accelerator.prepare(model, optimizer)
     if fsdp:
         if not is_sharded(out[0]):
             raise RuntimeError(f"FSDP was configured but prepare returned an unsharded {type(out[0]).__name__}")

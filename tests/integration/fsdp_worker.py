@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-SEQ, GLOBAL_BATCH, VOCAB = 32, 8, 384
+SEQ, GLOBAL_BATCH = 32, 8
 
 
 def load_qlora_model():
@@ -32,8 +32,24 @@ def load_qlora_model():
 
 
 def batches(steps: int):
-    g = torch.Generator().manual_seed(123)
-    return [torch.randint(3, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(steps)]
+    """Global batches of GLOBAL_BATCH rows x SEQ tokens cut from the tiny instruction set's token stream:
+    real text, and every row has the same number of trained tokens, so the mean of the ranks' mean
+    losses is the 1-process mean loss."""
+    from finetune import tiny
+    from finetune.model import load_tokenizer
+    from finetune.recipe import ModelSpec
+
+    tok = load_tokenizer(ModelSpec())
+    need = (steps * GLOBAL_BATCH) * SEQ
+    stream: list[int] = []
+    with open(tiny.dataset_dir() / "train.jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            stream += tok(row["prompt"] + row["completion"] + "\n")["input_ids"]
+            if len(stream) >= need:
+                break
+    ids = torch.tensor(stream[:need]).view(steps, GLOBAL_BATCH, SEQ)
+    return list(ids)
 
 
 def param_bytes(model) -> int:
@@ -97,6 +113,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--version", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--optimizer", default="paged_adamw_8bit")
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--clip", type=float, default=1.0)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,15 +125,16 @@ def main(argv: list[str]) -> int:
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
 
-    train = TrainSpec(micro_batch_size=args.micro_batch, optimizer="paged_adamw_8bit", learning_rate=1e-3,
-                      weight_decay=0.01, warmup_steps=1, max_steps=args.steps)
+    train = TrainSpec(micro_batch_size=args.micro_batch, optimizer=args.optimizer, learning_rate=args.lr,
+                      mixed_precision=args.precision,
+                      weight_decay=0.01, warmup_steps=0, max_steps=args.steps, max_grad_norm=args.clip or None)
     acc = D.make_accelerator(DistributedSpec(strategy=args.strategy), FsdpSpec(version=args.version), train,
                              "float32")
     model = load_qlora_model()
     full_bytes = param_bytes(model)
     opt = build_optimizer(model.named_parameters(), train)
     sched = build_scheduler(opt, train, args.steps)
-    model, opt, sched = D.prepare(acc, model, opt, sched)
+    model, opt = D.prepare(acc, model, opt)
     # Parameter objects after prepare (FSDP2 swaps them for DTensors): name them for the optimizer report.
     names_after = {id(p): n.replace("_fsdp_wrapped_module.", "") for n, p in model.named_parameters()}
 
@@ -127,7 +148,9 @@ def main(argv: list[str]) -> int:
         with D.autocast(acc):
             loss = model(input_ids=ids, labels=ids).loss
         acc.backward(loss)
-        acc.clip_grad_norm_(model.parameters(), train.max_grad_norm)
+        if train.max_grad_norm:
+            facts.setdefault("grad_norms", []).append(
+                float(acc.clip_grad_norm_(model.parameters(), train.max_grad_norm)))
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
