@@ -139,7 +139,10 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
     if dist.strategy == "fsdp":
         plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(fsdp, model_dtype, on_cpu))
     handlers = [InitProcessGroupKwargs(backend="gloo")] if dist.backend == "gloo" and not on_cpu else []
-    acc = Accelerator(cpu=on_cpu, mixed_precision="no", fsdp_plugin=None if on_cpu else plugin,
+    # The plugin is passed on CPU too, although Accelerate leaves it unused there: otherwise, under
+    # `accelerate launch` with an FSDP config, Accelerate builds its own plugin from the launcher's FSDP_*
+    # variables, and FSDP1's sync_module_states=true raises "no available devices" on CPU.
+    acc = Accelerator(cpu=on_cpu, mixed_precision="no", fsdp_plugin=plugin,
                       gradient_accumulation_steps=train.gradient_accumulation_steps, kwargs_handlers=handlers)
     if dist.num_processes is not None and dist.num_processes != acc.num_processes:
         raise RecipeError([f"distributed.num_processes is {dist.num_processes} but the launcher started "

@@ -1,8 +1,9 @@
 """FSDP building blocks, proven on 2 real processes over gloo (CPU): sharding of the 4-bit + LoRA model,
 8-bit AdamW on shards, equivalence with one process, and the gathered adapter.
 
-Three runs of tests/integration/fsdp_worker.py (one process x micro-batch 8; FSDP2 and FSDP1, each
-2 processes x micro-batch 4, over the same rows), each once per session; the tests read what they wrote.
+Three runs of tests/integration/fsdp_worker.py over the same rows, each once per module: one process x
+micro-batch 8; FSDP2 under torchrun and FSDP1 under `accelerate launch`, each 2 processes x micro-batch 4.
+The tests read what the workers wrote.
 """
 from __future__ import annotations
 
@@ -24,11 +25,29 @@ WORKER = HERE / "fsdp_worker.py"
 N_LORA_LAYERS = 28  # 4 decoder layers x 7 linears
 
 
-def _run(out: Path, nproc: int, *args: str) -> dict:
+# FSDP1 is launched the way users launch: `accelerate launch` with an FSDP config, here one whose
+# sync_module_states / cpu_ram_efficient_loading cannot work on CPU (the recipe must win over it).
+ACCELERATE_FSDP1 = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: FSDP
+num_processes: 2
+num_machines: 1
+machine_rank: 0
+mixed_precision: 'no'
+use_cpu: false
+fsdp_config:
+  fsdp_version: 1
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_sync_module_states: true
+  fsdp_use_orig_params: true
+"""
+
+
+def _run(out: Path, launcher: list[str], nproc: int, *args: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] \
-        if nproc > 1 else [sys.executable]
     proc = subprocess.run([*launcher, str(WORKER), str(out), *args], env=env, capture_output=True, text=True,
                           timeout=400)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -44,9 +63,15 @@ def runs(tmp_path_factory):
         if name not in cache:
             out = tmp_path_factory.mktemp(name)
             if name == "single":
-                cache[name] = _run(out, 1, "--strategy", "single", "--micro-batch", "8")
+                cache[name] = _run(out, [sys.executable], 1, "--strategy", "single", "--micro-batch", "8")
+            elif name == "fsdp2":
+                torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+                cache[name] = _run(out, torchrun, 2, "--strategy", "fsdp", "--version", "2", "--micro-batch", "4")
             else:
-                cache[name] = _run(out, 2, "--strategy", "fsdp", "--version", name[-1], "--micro-batch", "4")
+                config = out / "accelerate_fsdp1.yaml"
+                config.write_text(ACCELERATE_FSDP1)
+                launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+                cache[name] = _run(out, launch, 2, "--strategy", "fsdp", "--version", "1", "--micro-batch", "4")
         return cache[name]
 
     return get
