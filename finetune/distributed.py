@@ -121,9 +121,9 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
     """An Accelerator for `dist.strategy`; FSDP on CPU goes through the real FSDP path (see module doc).
 
     The returned accelerator has mixed_precision="no"; `autocast(accelerator)` gives the forward's
-    autocast from `train.mixed_precision`. `accelerator.backward` divides the loss by
-    `train.gradient_accumulation_steps` and `accelerator.accumulate(model)` skips gradient sync between
-    micro-batches (standard Accelerate behaviour).
+    autocast from `train.mixed_precision`. Its gradient_accumulation_steps stays 1: the loop owns
+    accumulation and normalises the loss by the step's tokens itself, and Accelerate would divide every
+    `accelerator.backward` by the accumulation steps once more.
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
@@ -143,7 +143,7 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
     # `accelerate launch` with an FSDP config, Accelerate builds its own plugin from the launcher's FSDP_*
     # variables, and FSDP1's sync_module_states=true raises "no available devices" on CPU.
     acc = Accelerator(cpu=on_cpu, mixed_precision="no", fsdp_plugin=plugin,
-                      gradient_accumulation_steps=train.gradient_accumulation_steps, kwargs_handlers=handlers)
+                      kwargs_handlers=handlers)
     if dist.num_processes is not None and dist.num_processes != acc.num_processes:
         raise RecipeError([f"distributed.num_processes is {dist.num_processes} but the launcher started "
                            f"{acc.num_processes}. Fix: launch {dist.num_processes} processes or change the recipe"])

@@ -183,3 +183,42 @@ def test_scheduler_warmup_then_cosine_to_zero():
     assert lrs[:3] == [0.0, 0.5, 1.0] and lrs[3] < 1.0 and sched.get_last_lr()[0] == pytest.approx(0.0)
     const = optim.build_scheduler(torch.optim.SGD([p], lr=1.0), TrainSpec(lr_scheduler="constant"), 10)
     assert const.get_last_lr() == [1.0]
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    import os
+
+    from accelerate.state import AcceleratorState
+
+    env = dict(os.environ)  # Accelerate writes ACCELERATE_USE_FSDP / FSDP_* into the environment
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def test_make_accelerator_one_process(fresh_accelerate_state, capsys, monkeypatch):
+    from finetune.recipe import DistributedSpec
+
+    for var in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(var, raising=False)
+    train = TrainSpec(gradient_accumulation_steps=4, mixed_precision="bf16")
+    acc = D.make_accelerator(DistributedSpec(), FsdpSpec(), train, "float32")
+    # No parameter casting by Accelerate, no loss rescaling in backward: the loop owns both.
+    assert acc.mixed_precision == "no" and acc.gradient_accumulation_steps == 1
+    with D.autocast(acc):
+        assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.bfloat16
+    with pytest.raises(RecipeError, match="launcher started 1"):
+        D.make_accelerator(DistributedSpec(strategy="ddp", num_processes=2), FsdpSpec(), train, "float32")
+    acc = D.make_accelerator(DistributedSpec(strategy="fsdp"), FsdpSpec(), train, "float32")
+    assert acc.distributed_type == "NO" and "nothing to shard" in capsys.readouterr().out
+
+
+def test_launcher_fsdp_config_with_other_strategy_is_a_recipe_error(fresh_accelerate_state, monkeypatch):
+    from finetune.recipe import DistributedSpec
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RecipeError, match="launcher config uses FSDP"):
+        D.make_accelerator(DistributedSpec(strategy="ddp"), FsdpSpec(), TrainSpec(), "float32")
