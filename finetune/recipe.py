@@ -117,10 +117,13 @@ class DataSource(_Section):
     or `builtin:tiny-instruct` (the synthetic set the project generates)."""
     split: str = "train"
     """Split of a hub or builtin dataset."""
+    subset: str | None = None
+    """Configuration (subset) of a hub dataset, e.g. `main` for gsm8k; null: its default."""
     format: DataFormat = "auto"
     """Row format; `auto` detects it from the fields."""
     weight: float = Field(1.0, gt=0)
-    """Relative share of this source when several are mixed."""
+    """Relative share of this source when several are mixed: it contributes weight x its rows
+    (0.5: a seeded half of them, 2: each row twice), so equal weights keep the sources' natural sizes."""
     max_samples: int | None = Field(None, ge=1)
     """Use at most this many rows of this source."""
     fields: dict[str, str] = Field(default_factory=dict)
@@ -144,7 +147,8 @@ class DataSpec(_Section):
     train_on_inputs: bool = False
     """Also train on prompt / user tokens. Off: loss only on completions and assistant turns."""
     chat_template: str | None = None
-    """Jinja chat template overriding the tokenizer's own, for `messages`/`sharegpt` data."""
+    """Jinja chat template overriding the tokenizer's own, for `messages`/`sharegpt` data, or `chatml`
+    for the builtin ChatML one. A template with {% generation %} markers decides the trained tokens itself."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A broken row (bad JSON, missing field, wrong type, empty text): stop (exit 2) or skip and report."""
     max_samples: int | None = Field(None, ge=1)
@@ -369,6 +373,97 @@ def contract_problems(r: "Recipe") -> list[Problem]:
         out.append(Problem(level="warning", path="lora.target_modules",
                            message="adapters on lm_head/embed_tokens are not quantized layers and add much memory",
                            fix="drop them unless you change the vocabulary"))
+    out += _precision_problems(r)
+    out += _fsdp_option_problems(r)
+    return out
+
+
+def _precision_problems(r: "Recipe") -> list[Problem]:
+    out: list[Problem] = []
+    q, m, lo, t, d = r.quantization, r.model, r.lora, r.train, r.distributed
+    four_bit = q.mode in ("nf4", "fp4")
+    if t.mixed_precision == "fp16" and m.dtype != "float32":
+        # fp16 has 5 exponent bits: weights and updates kept in fp16 underflow; the loss scaler needs fp32
+        # master weights (fsdp_qlora: "fp16 only works with autocast").
+        out.append(Problem(level="error", path="model.dtype",
+                           message=f"fp16 training needs fp32 storage and master weights, not {m.dtype}",
+                           fix="set model.dtype: float32 (fp16 autocast computes in half precision anyway)"))
+    if t.mixed_precision == "fp16" and lo.dtype != "float32":
+        out.append(Problem(level="error", path="lora.dtype",
+                           message=f"fp16 autocast with {lo.dtype} adapters: gradient scaling needs fp32 adapter "
+                                   "weights", fix="set lora.dtype: float32"))
+    if four_bit and t.mixed_precision in ("bf16", "fp16"):
+        want = {"bf16": "bfloat16", "fp16": "float16"}[t.mixed_precision]
+        if q.compute_dtype != want:
+            out.append(Problem(level="warning", path="quantization.compute_dtype",
+                               message=f"4-bit layers dequantize to {q.compute_dtype} while autocast computes in "
+                                       f"{want}: every layer converts back and forth", fix=f"set it to {want}"))
+    if four_bit and d.strategy != "fsdp" and q.quant_storage not in (None, "uint8", m.dtype):
+        out.append(Problem(level="warning", path="quantization.quant_storage",
+                           message=f"{q.quant_storage} storage only matters for FSDP; without it, it just differs "
+                                   f"from model.dtype {m.dtype}", fix="leave quantization.quant_storage null"))
+    if m.reentrant_checkpointing and not m.gradient_checkpointing:
+        out.append(Problem(level="warning", path="model.reentrant_checkpointing",
+                           message="has no effect with model.gradient_checkpointing off",
+                           fix="drop it, or turn model.gradient_checkpointing on"))
+    if q.mode == "none" and q.double_quant and q.quant_storage is not None:
+        out.append(Problem(level="warning", path="quantization.quant_storage",
+                           message="no quantization: quant_storage is unused", fix="drop it"))
+    return out
+
+
+def _fsdp_option_problems(r: "Recipe") -> list[Problem]:
+    """FSDP options that only one FSDP version (or only FSDP) reads, and other FSDP misfits."""
+    out: list[Problem] = []
+    f, d, t = r.fsdp, r.distributed, r.train
+    defaults = FsdpSpec()
+    if f.cpu_offload and d.strategy != "fsdp":
+        out.append(Problem(level="error", path="fsdp.cpu_offload",
+                           message=f"CPU offload is an FSDP feature; distributed.strategy is {d.strategy}",
+                           fix="set distributed.strategy: fsdp, or fsdp.cpu_offload: false"))
+    if d.strategy == "single" and d.num_machines > 1:
+        out.append(Problem(level="error", path="distributed.num_machines",
+                           message=f"strategy single cannot span {d.num_machines} machines",
+                           fix="set distributed.strategy: fsdp or ddp"))
+    if d.strategy != "fsdp":
+        return out
+    if f.version == 2:
+        fsdp1_only = [("use_orig_params", "FSDP2 always keeps original parameters"),
+                      ("backward_prefetch", "FSDP2 prefetches on its own"),
+                      ("forward_prefetch", "FSDP2 prefetches on its own"),
+                      ("sync_module_states", "FSDP2 broadcasts through cpu_ram_efficient_loading")]
+        for name, why in fsdp1_only:
+            if getattr(f, name) != getattr(defaults, name):
+                out.append(Problem(level="warning", path=f"fsdp.{name}", message=f"only FSDP1 reads it; {why}",
+                                   fix=f"drop fsdp.{name}, or set fsdp.version: 1"))
+        if f.reshard_after_forward is not None and f.sharding_strategy != defaults.sharding_strategy:
+            out.append(Problem(level="warning", path="fsdp.reshard_after_forward",
+                               message="both reshard_after_forward and sharding_strategy are set; "
+                                       "reshard_after_forward wins", fix="set only one"))
+    elif f.reshard_after_forward is not None:
+        out.append(Problem(level="warning", path="fsdp.reshard_after_forward",
+                           message="only FSDP2 reads it; FSDP1 uses sharding_strategy",
+                           fix="use fsdp.sharding_strategy (SHARD_GRAD_OP keeps parameters after forward)"))
+    if f.version == 1 and f.cpu_ram_efficient_loading and f.sync_module_states is False:
+        out.append(Problem(level="error", path="fsdp.sync_module_states",
+                           message="cpu_ram_efficient_loading leaves ranks > 0 empty; without sync_module_states "
+                                   "they train on uninitialised weights", fix="set fsdp.sync_module_states: true"))
+    if f.sharding_strategy == "HYBRID_SHARD" and d.num_machines == 1:
+        out.append(Problem(level="warning", path="fsdp.sharding_strategy",
+                           message="HYBRID_SHARD on one machine is FULL_SHARD", fix="use FULL_SHARD"))
+    if t.optimizer != "adamw_torch" and f.state_dict_type == "FULL_STATE_DICT":
+        # FSDP's full optimizer state dict flattens/unflattens every state to the parameter's shape;
+        # bitsandbytes' blockwise states (uint8 moments + absmax per 256 values) do not survive it
+        # (LLaMA-Factory #5619, axolotl #2744): checkpoints fail to save or resume.
+        out.append(Problem(level="error", path="fsdp.state_dict_type",
+                           message=f"{t.optimizer} state cannot be gathered into FSDP's FULL_STATE_DICT",
+                           fix="set fsdp.state_dict_type: SHARDED_STATE_DICT, or train.optimizer: adamw_torch"))
+    if f.auto_wrap_policy == "size" and f.transformer_layer_cls:
+        out.append(Problem(level="warning", path="fsdp.transformer_layer_cls",
+                           message="ignored by auto_wrap_policy: size", fix="drop it, or use auto_wrap_policy: transformer"))
+    if d.num_processes == 1:
+        out.append(Problem(level="warning", path="distributed.num_processes",
+                           message="FSDP over one process shards nothing", fix="use 2 or more, or strategy: single"))
     return out
 
 

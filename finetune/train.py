@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -39,17 +40,20 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[to
     return loss, int((shift_labels != data_mod.IGNORE).sum())
 
 
-def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int):
+def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int, layout: str | None):
     """This rank's micro-batches for an epoch. The order depends only on (shuffle_seed, epoch), so a
-    resumed run sees the same data, and each global batch is split across ranks."""
+    resumed run sees the same data, and each global batch is split across ranks. `layout` is the packing
+    layout the attention backend supports (data.packing_layout), None for dynamic padding."""
     order = list(examples)
     random.Random(spec.data.shuffle_seed * 1000 + epoch).shuffle(order)
     mb = spec.train.micro_batch_size
-    if spec.data.packing:
+    if layout:
         order = data_mod.pack(order, spec.data.max_seq_len)
     global_batches = [order[i: i + mb * world] for i in range(0, len(order) - mb * world + 1, mb * world)]
-    collate = data_mod.collate_packed if spec.data.packing else data_mod.collate
-    return [collate(g[rank * mb:(rank + 1) * mb], pad_id) for g in global_batches]
+    if layout:
+        return [data_mod.collate_packed(g[rank * mb:(rank + 1) * mb], pad_id, flat=layout == "flat")
+                for g in global_batches]
+    return [data_mod.collate(g[rank * mb:(rank + 1) * mb], pad_id) for g in global_batches]
 
 
 def global_sum(accelerator, value: float) -> float:
@@ -80,7 +84,7 @@ def setup(recipe: Recipe):
     acc = make_accelerator(recipe.distributed, recipe.fsdp, recipe.train, recipe.model.dtype)
     torch.manual_seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model)
-    with acc.main_process_first():  # builtin assets and data caches are built once per node
+    with acc.local_main_process_first():  # builtin assets and data caches are built once per node
         prepared = data_mod.prepare(recipe.data, tok)
     model = load_model(recipe.model, recipe.quantization, notice=print0)
     enable_checkpointing(model, recipe.model)
@@ -88,10 +92,10 @@ def setup(recipe: Recipe):
     return acc, tok, model, prepared
 
 
-def plan_steps(recipe: Recipe, examples: list, world: int) -> tuple[int, int]:
+def plan_steps(recipe: Recipe, examples: list, world: int, layout: str | None) -> tuple[int, int]:
     """(micro-batches per epoch per rank, total optimizer steps)."""
     t = recipe.train
-    rows = len(data_mod.pack(examples, recipe.data.max_seq_len)) if recipe.data.packing else len(examples)
+    rows = len(data_mod.pack(examples, recipe.data.max_seq_len)) if layout else len(examples)
     per_epoch = rows // (t.micro_batch_size * world)
     if per_epoch < t.gradient_accumulation_steps:
         raise RecipeError([f"data: {rows} rows make {per_epoch} micro-batches of {t.micro_batch_size} x "
@@ -101,10 +105,47 @@ def plan_steps(recipe: Recipe, examples: list, world: int) -> tuple[int, int]:
     return per_epoch, total
 
 
-def train(recipe: Recipe, run_dir: Path) -> dict:
+class StopSignal:
+    """SIGTERM (preemption) or SIGINT: finish the current step, write a checkpoint, exit 0.
+    Every rank gets the signal from the launcher; the flag is also OR-ed across ranks so they agree."""
+
+    def __init__(self):
+        self.signum = None
+        self.previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a notebook worker): no handler, no preemption save
+                pass
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+
+    def requested(self, acc) -> bool:
+        return global_sum(acc, 1.0 if self.signum is not None else 0.0) > 0
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def train(recipe: Recipe, run_dir: Path, return_model: bool = False) -> dict:
+    """Run the recipe into run_dir; returns the final metrics (and the trained model, for tests and
+    notebooks, when return_model)."""
+    stop = StopSignal()
+    try:
+        result = _train(recipe, run_dir, stop, return_model)
+        return result
+    finally:
+        stop.restore()
+
+
+def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool = False) -> dict:
     acc, tok, model, prepared = setup(recipe)
     rank, world, dev = acc.process_index, acc.num_processes, acc.device
-    per_epoch, total_steps = plan_steps(recipe, prepared.train, world)
+    layout = data_mod.packing_layout(recipe.data.packing, acc.unwrap_model(model).config._attn_implementation,
+                                     print0)
+    per_epoch, total_steps = plan_steps(recipe, prepared.train, world, layout)
     t = recipe.train
     optimizer = build_optimizer(model, t)
     scheduler = build_scheduler(optimizer, t, total_steps)
@@ -127,7 +168,7 @@ def train(recipe: Recipe, run_dir: Path) -> dict:
                                     recipe.data.max_seq_len)
     metrics = Metrics(run_dir, total_steps, step, recipe.output.progress_bar)
     model.train()
-    batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id)
+    batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id, layout)
     tokens_seen, t_log = 0, time.perf_counter()
     last = {}
     while step < total_steps:
@@ -137,7 +178,7 @@ def train(recipe: Recipe, run_dir: Path) -> dict:
         while len(micro) < t.gradient_accumulation_steps:
             if cursor >= len(batches):
                 epoch, cursor = epoch + 1, 0
-                batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id)
+                batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id, layout)
             micro.append({k: v.to(dev) for k, v in batches[cursor].items()})
             cursor += 1
         local_tokens = sum(int((b["labels"][:, 1:] != data_mod.IGNORE).sum()) for b in micro)
@@ -167,6 +208,12 @@ def train(recipe: Recipe, run_dir: Path) -> dict:
             metrics.log(step, eval_loss=round(evaluate(model, eval_batches, acc, t, recipe.eval.max_batches), 6))
         if (t.save_every and step % t.save_every == 0) or step == total_steps:
             save_checkpoint(acc, model, optimizer, scheduler, ckpt_root, step, epoch, cursor, t.keep_checkpoints)
+        elif stop.requested(acc):
+            save_checkpoint(acc, model, optimizer, scheduler, ckpt_root, step, epoch, cursor, t.keep_checkpoints)
+            print0(f"stopped by signal {stop.signum}: wrote checkpoints/step-{step}; re-run the same command to "
+                   "resume")
+            metrics.close()
+            return {"step": step, "stopped": True, **last}
     final = {"step": step, **last}
     if eval_batches:
         final["eval_loss"] = evaluate(model, eval_batches, acc, t, recipe.eval.max_batches)
@@ -174,6 +221,8 @@ def train(recipe: Recipe, run_dir: Path) -> dict:
     export_adapter(acc, model, tok, run_dir)
     metrics.close()
     acc.wait_for_everyone()
+    if return_model:
+        final["model"] = acc.unwrap_model(model)
     return final
 
 

@@ -1,0 +1,319 @@
+"""`finetune merge RUN_DIR`: fold a LoRA adapter into its base and write one servable model.
+
+Streaming by construction: the base is read one safetensors shard at a time (never the whole model,
+never 4-bit weights), each targeted weight gets (alpha/r) * B @ A added in fp32 and is rounded once to
+the output dtype, and output shards are written as they fill. Peak memory is about one input shard plus
+one output shard, whatever the model size (benchmarks/merge_rss.py measures it).
+
+Targets: `original` adds the update to the base weights as published; `nf4` adds it to each weight as
+training saw it (cast to the recipe's model dtype, 4-bit quantized, dequantized), so the merged model
+computes what the trained adapter computed. See docs/merge.md for when to pick which.
+
+Safe: everything is written to a temporary sibling directory and renamed into place only after the
+parity check passed, so a crash or a failed check never leaves an output that looks complete.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import recipe as recipe_mod
+from .merge_plan import (DTYPES, RECIPE_DTYPES, QuantSpec, TensorInfo, adapter_problems, lora_delta,
+                         merged_tensor, pair_keys, parse_size, plan_shards, scaling, shard_names)
+from .recipe import RecipeError
+
+FORMAT_VERSION = 1  # bump when the output layout or arithmetic changes: old outputs are then not "up to date"
+
+
+@dataclass
+class Source:
+    adapter_dir: Path
+    base_dir: Path
+    base_name: str  # how the user refers to the base (hub id, path or builtin name)
+    adapter_config: dict
+    recipe: recipe_mod.Recipe | None = None
+    run_dir: Path | None = None
+
+
+def resolve_source(path: str | os.PathLike) -> Source:
+    """A run dir (recipe.yaml + adapter/) or a plain PEFT adapter dir -> adapter, base and recipe."""
+    p = Path(path).expanduser().resolve()
+    if (p / "adapter" / "adapter_config.json").is_file():
+        run_dir, adapter_dir = p, p / "adapter"
+    elif (p / "adapter_config.json").is_file():
+        run_dir, adapter_dir = None, p
+    elif not p.exists():
+        raise RecipeError([f"no such directory: {p}"], "merge")
+    else:
+        raise RecipeError([f"{p} is neither a run dir (recipe.yaml + adapter/) nor a PEFT adapter dir "
+                           "(adapter_config.json)"], "merge")
+    try:
+        cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise RecipeError([f"cannot read adapter_config.json: {e}"], str(adapter_dir)) from None
+    problems = adapter_problems(cfg)
+    if problems:
+        raise RecipeError(problems, str(adapter_dir / "adapter_config.json"))
+    recipe = None
+    if run_dir is not None and (run_dir / "recipe.yaml").is_file():
+        recipe = recipe_mod.load(run_dir / "recipe.yaml")
+    base_name, base_dir = _find_base(cfg, recipe)
+    return Source(adapter_dir, base_dir, base_name, cfg, recipe, run_dir)
+
+
+def _find_base(cfg: dict, recipe) -> tuple[str, Path]:
+    """The adapter's own base_model_name_or_path first (what training wrote), then the recipe's model."""
+    from .tiny import BUILTIN_MODELS
+
+    names = [n for n in (cfg.get("base_model_name_or_path"), recipe and recipe.model.name) if n]
+    revision = cfg.get("revision") or (recipe.model.revision if recipe else None)
+    for name in names:
+        if name in BUILTIN_MODELS:
+            return name, BUILTIN_MODELS[name]()
+        if Path(name).expanduser().is_dir():
+            return name, Path(name).expanduser().resolve()
+    for name in names:
+        if "/" in name and not Path(name).is_absolute():
+            try:  # the local HF cache only: merge never downloads
+                from huggingface_hub import snapshot_download
+                return name, Path(snapshot_download(name, revision=revision, local_files_only=True))
+            except Exception:  # noqa: BLE001 - any miss means "not cached"; reported below
+                continue
+    if not names:
+        raise RecipeError(["adapter_config.json names no base_model_name_or_path"], "adapter")
+    raise RecipeError([f"base model {names[0]!r} is not a local directory nor in the local Hugging Face "
+                       f"cache; fetch it first (e.g. `hf download {names[0]}`)"], "merge")
+
+
+def _base_tensors(base_dir: Path) -> list[TensorInfo]:
+    """Names, shapes and dtypes from the shard headers only, in file order."""
+    from safetensors import safe_open
+
+    cfg = json.loads((base_dir / "config.json").read_text())
+    if cfg.get("quantization_config"):
+        raise RecipeError([f"{base_dir} holds pre-quantized weights; merge needs the unquantized base"], "merge")
+    index = base_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (base_dir / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise RecipeError([f"{base_dir} has no safetensors weights (merge does not read pickle .bin files)"],
+                          "merge")
+    out = []
+    for name in files:
+        with safe_open(str(base_dir / name), framework="pt") as f:
+            for key in f.keys():
+                s = f.get_slice(key)
+                out.append(TensorInfo(key, tuple(s.get_shape()), _st_dtype(s.get_dtype()), name))
+    return out
+
+
+def _st_dtype(code: str) -> torch.dtype:
+    table = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+             "BOOL": torch.bool}
+    return table.get(code, torch.uint8)
+
+
+def _four_bit_weights(base_dir: Path) -> set[str]:
+    """Weights that bitsandbytes held in 4-bit during training: every plain nn.Linear transformers'
+    4-bit loader converts (it skips the output head, tied weights and fp32-pinned modules). Found on a
+    meta-device copy of the model, with transformers' own skip rules, so it matches the loader."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
+    skip = list(set(get_keys_to_not_convert(model)) | set(getattr(model, "_keep_in_fp32_modules", None) or []))
+    return {f"{n}.weight" for n, m in model.named_modules()
+            if type(m) is torch.nn.Linear and should_convert_module(n, skip)}
+
+
+def quant_spec(recipe) -> QuantSpec:
+    if recipe is None:  # plain adapter: assume the recipe defaults, and say so in the card
+        recipe = recipe_mod.Recipe()
+    q = recipe.quantization
+    if q.mode not in ("nf4", "fp4"):
+        raise RecipeError([f"--target nf4: this run trained on a {q.mode!r} base, not a 4-bit one; "
+                           "use --target original"], "merge")
+    return QuantSpec(quant_type=q.mode, double_quant=q.double_quant, dtype=RECIPE_DTYPES[recipe.model.dtype])
+
+
+def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, max_bytes: int) -> dict:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    infos = _base_tensors(src.base_dir)
+    adapter = src.adapter_dir / "adapter_model.safetensors"
+    if not adapter.is_file():
+        raise RecipeError([f"{adapter} not found (merge reads safetensors adapters only)"], "merge")
+    ad = safe_open(str(adapter), framework="pt")  # small; read one A/B pair at a time anyway
+    pairs = pair_keys(ad.keys())
+    by_weight = {f"{mod}.weight": ab for mod, ab in pairs.items()}
+    missing = sorted(set(by_weight) - {t.name for t in infos})
+    if missing:
+        raise RecipeError([f"the adapter targets {len(missing)} weights the base does not have, e.g. "
+                           f"{missing[0]}: wrong base model?"], "merge")
+    quant, four_bit = None, set()
+    if target == "nf4":
+        quant, four_bit = quant_spec(src.recipe), _four_bit_weights(src.base_dir)
+    shards = plan_shards(infos, out_dtype, max_bytes)
+    names = shard_names(len(shards))
+    weight_map, total, scales = {}, 0, {}
+    handle, handle_name = None, None
+    for shard, fname in tqdm(list(zip(shards, names)), desc="merge", unit="shard", disable=None):
+        tensors = {}
+        for t in shard:
+            if handle_name != t.source:  # input shards are visited in order: one open at a time
+                handle, handle_name = safe_open(str(src.base_dir / t.source), framework="pt"), t.source
+            delta = None
+            if t.name in by_weight:
+                ka, kb = by_weight[t.name]
+                a, b = ad.get_tensor(ka), ad.get_tensor(kb)
+                scales[t.name] = scaling(src.adapter_config, t.name.removesuffix(".weight"), a.shape[0])
+                delta = lora_delta(a, b, scales[t.name])
+            tensors[t.name] = merged_tensor(
+                handle.get_tensor(t.name), out_dtype, delta,
+                quant=quant if t.name in four_bit else None,
+                cast_to=quant.dtype if quant is not None else None)
+            weight_map[t.name] = fname
+            total += tensors[t.name].numel() * tensors[t.name].element_size()
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        del tensors
+    handle = None
+    if len(names) > 1:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+    return {"shards": len(names), "bytes": total, "merged_weights": len(scales),
+            "scales": sorted(set(scales.values())), "four_bit_weights": len(four_bit & set(weight_map))}
+
+
+def _write_extras(src: Source, tmp: Path, out_dtype: torch.dtype) -> None:
+    """config (dtype set, no quantization), generation config, tokenizer (the adapter's, which training
+    saved with its chat template; else the base's)."""
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((src.base_dir / "config.json").read_text())
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[out_dtype]
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = name
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if (src.base_dir / "generation_config.json").is_file():
+        shutil.copyfile(src.base_dir / "generation_config.json", tmp / "generation_config.json")
+    tok_dir = src.adapter_dir if (src.adapter_dir / "tokenizer_config.json").is_file() else src.base_dir
+    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(tmp)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint(src: Source, target: str, dtype: str, max_bytes: int) -> dict:
+    """What the output depends on. Base shards by name and size (hashing a 140 GB base on every run
+    would cost more than the merge); the adapter by content."""
+    base_files = sorted((p.name, p.stat().st_size) for p in src.base_dir.glob("*.safetensors"))
+    fp = {"format": FORMAT_VERSION, "base": src.base_name, "base_files": base_files,
+          "adapter_sha256": _sha256(src.adapter_dir / "adapter_model.safetensors"),
+          "target": target, "dtype": dtype, "max_shard_size": max_bytes}
+    return json.loads(json.dumps(fp))  # the form it takes in merge_info.json, so the two compare equal
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename tmp into place. An existing output (only with --force) is moved aside first and deleted
+    after, so at every instant `out` is either the old complete output or the new one."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def merge(source, output=None, target: str = "original", dtype: str = "bf16", max_shard_size="5GB",
+          force: bool = False, check: bool = True) -> Path:
+    """Merge the adapter of `source` (run dir or PEFT adapter dir) into its base; returns the output dir."""
+    from .merge_card import model_card
+    from .merge_check import parity_check
+
+    if target not in ("original", "nf4"):
+        raise RecipeError([f"--target: expected original or nf4, got {target!r}"], "merge")
+    if dtype not in DTYPES:
+        raise RecipeError([f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}"], "merge")
+    max_bytes = parse_size(max_shard_size)
+    src = resolve_source(source)
+    out = Path(output).expanduser().resolve() if output else (src.run_dir or src.adapter_dir) / "merged"
+    for inside in (src.adapter_dir, src.base_dir):
+        if inside == out or out in inside.parents:
+            raise RecipeError([f"--output {out} contains the inputs ({inside}); pick another directory"], "merge")
+    fp = fingerprint(src, target, dtype, max_bytes)
+    if out.exists() and any(out.iterdir()) and not force:
+        info = out / "merge_info.json"
+        if info.is_file() and json.loads(info.read_text()).get("inputs") == fp:
+            print(f"merge: {out} is up to date (same adapter, base and settings); nothing to do")
+            return out
+        raise RecipeError([f"output {out} is not empty; pass --force to replace it"], "merge")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        stats = _write_shards(src, tmp, target, DTYPES[dtype], max_bytes)
+        _write_extras(src, tmp, DTYPES[dtype])
+        result = parity_check(src, tmp, target) if check else {"status": "skipped (--no-check)"}
+        print(f"merge: parity {result['status']}" + (f": {result['summary']}" if "summary" in result else ""))
+        (tmp / "README.md").write_text(model_card(src, target, dtype, stats, result))
+        (tmp / "merge_info.json").write_text(json.dumps(
+            {"inputs": fp, "stats": stats, "parity": result}, indent=2, sort_keys=True) + "\n")
+        if result["status"] == "failed":
+            raise RuntimeError(f"merge parity check failed: {result['summary']}; nothing was written to {out}")
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"merge: wrote {stats['shards']} shard(s), {stats['bytes'] / 1e6:.1f} MB, "
+          f"{stats['merged_weights']} merged weights -> {out}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="finetune merge", description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", help="run dir (recipe.yaml + adapter/) or a PEFT adapter directory")
+    p.add_argument("--output", help="output directory (default: RUN_DIR/merged)")
+    p.add_argument("--target", choices=["original", "nf4"], default="original",
+                   help="merge into the original base weights, or into the NF4-dequantized weights training saw")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16", help="dtype of the written weights")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output shard, e.g. 5GB, 500MB")
+    p.add_argument("--force", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--no-check", dest="check", action="store_false", help="skip the logits parity check")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        merge(args.run_dir, args.output, args.target, args.dtype, args.max_shard_size, args.force, args.check)
+    except RecipeError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The model card (README.md) written next to merged weights: where they came from and how well the
+merge reproduces base + adapter. Deterministic text (no timestamps), so a re-run writes the same bytes."""
+from __future__ import annotations
+
+import json
+
+
+def _front_matter(src) -> list[str]:
+    base = src.base_name if not src.base_name.startswith("/") else None  # local paths mean nothing elsewhere
+    lines = ["---", "library_name: transformers", "tags: [finetune, lora, qlora, merged]"]
+    if base and not base.startswith("builtin:"):
+        lines.append(f"base_model: {base}")
+    return lines + ["---", ""]
+
+
+def _recipe_lines(src) -> list[str]:
+    if src.recipe is None:
+        return ["## Recipe", "", "Not available: merged from a plain PEFT adapter directory. "
+                "`--target nf4` assumes the recipe defaults (nf4, double quant, float32 model dtype).", ""]
+    r = src.recipe
+    data = ", ".join(f"`{s.path}`" + (f" ({s.split})" if s.split != "train" else "") for s in r.data.sources)
+    evals = ", ".join(f"`{s.path}`" for s in r.data.eval_sources) or f"{r.data.eval_split:g} of training rows"
+    return ["## Recipe", "",
+            f"- quantization during training: {r.quantization.mode}, double quant {r.quantization.double_quant}, "
+            f"model dtype {r.model.dtype}, storage {r.effective_quant_storage()}",
+            f"- LoRA: r={r.lora.r}, alpha={r.lora.alpha:g}, dropout={r.lora.dropout:g}, "
+            f"targets {r.lora.target_modules}",
+            f"- schedule: lr {r.train.learning_rate:g} ({r.train.lr_scheduler}), optimizer {r.train.optimizer}, "
+            f"max_steps {r.train.max_steps}, epochs {r.train.epochs:g}, seed {r.train.seed}",
+            f"- strategy: {r.distributed.strategy}", "",
+            "## Data", "", f"- training: {data}", f"- held out: {evals}",
+            f"- max_seq_len {r.data.max_seq_len}, packing {r.data.packing}", ""]
+
+
+def model_card(src, target: str, dtype: str, stats: dict, parity: dict) -> str:
+    cfg = src.adapter_config
+    rslora = " (rslora)" if cfg.get("use_rslora") else ""
+    scales = ", ".join(f"{s:g}" for s in stats["scales"])
+    how = ("the original base weights" if target == "original" else
+           "each weight as training saw it (4-bit quantized then dequantized, as bitsandbytes did)")
+    lines = _front_matter(src) + [
+        "# Merged model", "",
+        "Base model and LoRA adapter folded into one set of weights by `finetune merge`; load it with plain "
+        "`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained`.", "",
+        "## Sources", "",
+        f"- base: `{src.base_name}`",
+        f"- adapter: `{src.adapter_dir}` (r={cfg.get('r')}, alpha={cfg.get('lora_alpha')}{rslora}, "
+        f"scale {scales}, {stats['merged_weights']} weights updated)",
+        f"- run dir: `{src.run_dir}`" if src.run_dir else "- run dir: none (plain PEFT adapter)", "",
+        "## Merge", "",
+        f"- target: `{target}`: the update (alpha/r) * B @ A was added in fp32 to {how}",
+        f"- written dtype: {dtype}; {stats['shards']} safetensors shard(s), {stats['bytes']:,} bytes", "",
+        "## Parity check", ""]
+    if parity["status"].startswith("skipped"):
+        lines += [f"- {parity['status']}", ""]
+    else:
+        lines += [f"- result: **{parity['status']}**: {parity['summary']}",
+                  f"- details: `{json.dumps({k: v for k, v in parity.items() if k != 'summary'}, sort_keys=True)}`",
+                  ""]
+    return "\n".join(lines + _recipe_lines(src))

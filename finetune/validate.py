@@ -1,0 +1,192 @@
+"""`finetune validate`: the whole preflight, before any weights load or any GPU is paid for.
+
+Pure rules (settings that contradict each other) live in `recipe.contract_problems`. This module adds what
+depends on the world outside the recipe: the model's shapes (config.json or the built-in table), the
+launcher's environment, whether flash-attn and GPUs are there, and whether the plan fits in memory.
+Training calls `preflight` with the same rules before it loads weights.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from dataclasses import replace
+
+from finetune import estimate as E
+from finetune.launcher import launcher_problems
+from finetune.recipe import Problem, Recipe, RecipeError, contract_problems, load
+
+LAUNCH_VARS = ("WORLD_SIZE", "LOCAL_RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION")
+
+
+def _launched(env) -> bool:
+    return any(k in env for k in LAUNCH_VARS)
+
+
+def _cuda():
+    """(device count, bf16 supported, memory of device 0) from torch, imported only when needed."""
+    import glob
+
+    if "torch" not in sys.modules and not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+        return 0, False, None  # no NVIDIA or ROCm device node: skip the torch import (seconds)
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0, False, None
+    return torch.cuda.device_count(), torch.cuda.is_bf16_supported(), torch.cuda.get_device_properties(0).total_memory
+
+
+def model_problems(r: Recipe) -> tuple[list[Problem], object]:
+    """Problems found from the model's shapes; also returns the Arch (or None)."""
+    from finetune.archs import resolve
+
+    try:
+        arch, _ = resolve(r.model.name)
+    except (ValueError, OSError) as e:
+        return [Problem(level="warning", path="model.name", message=f"cannot read its shapes: {e}",
+                        fix="put the model in the HF cache or give a local directory; memory is not checked")], None
+    out = []
+    targets = r.lora.target_modules
+    if isinstance(targets, list):
+        names = {x.name for x in arch.linears()}
+        missing = [t for t in targets if t not in names and t not in ("lm_head", "embed_tokens")]
+        if missing:
+            out.append(Problem(level="error", path="lora.target_modules",
+                               message=f"{', '.join(missing)} not in a {arch.model_type} layer (it has "
+                                       f"{', '.join(sorted(names))})", fix="use those names, or all-linear"))
+    return out, arch
+
+
+def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
+    out: list[Problem] = []
+    m, d = r.model, r.distributed
+    needs_gpu_info = launched or m.attn_implementation == "flash_attention_2" or d.backend == "nccl"
+    count, bf16_ok, _ = _cuda() if needs_gpu_info else (None, None, None)
+    if m.attn_implementation == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None or not count:
+            why = "no CUDA GPU" if not count else "the flash-attn package is not installed"
+            out.append(Problem(level="warning", path="model.attn_implementation",
+                               message=f"flash_attention_2 requested but {why}: training falls back to sdpa",
+                               fix="set model.attn_implementation: sdpa (or install flash-attn on a CUDA machine)"))
+    if d.backend == "nccl" and not count:
+        out.append(Problem(level="error", path="distributed.backend", message="nccl needs CUDA GPUs and none is "
+                           "visible", fix="set distributed.backend: auto (gloo on CPU)"))
+    if launched and count:
+        local = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+        if local > count:
+            out.append(Problem(level="error", path="distributed.num_processes",
+                               message=f"{local} processes on this machine but only {count} GPU(s)",
+                               fix=f"launch at most {count} processes per machine"))
+        if r.train.mixed_precision == "bf16" and not bf16_ok:
+            out.append(Problem(level="error", path="train.mixed_precision",
+                               message="this GPU has no bf16 (pre-Ampere)",
+                               fix="set train.mixed_precision: fp16 and quantization.compute_dtype: float16"))
+    if launched and not count and d.strategy == "fsdp" and (r.fsdp.cpu_ram_efficient_loading or r.fsdp.sync_module_states):
+        out.append(Problem(level="error", path="fsdp.cpu_ram_efficient_loading",
+                           message="no GPU: Accelerate's FSDP plugin cannot broadcast module states (rank-0 loading) "
+                                   "without an accelerator", fix="set fsdp.cpu_ram_efficient_loading: false and "
+                                                                  "fsdp.sync_module_states: false on CPU"))
+    if launched:
+        out += launcher_problems(r, env)
+    return out
+
+
+def _fit_fixes(s: E.Setup, arch, budget: int) -> str:
+    """Concrete ways to fit, each checked by re-planning."""
+    fixes = []
+    for b in range(s.micro_batch - 1, 0, -1):
+        if E.build(replace(s, micro_batch=b), arch, "").gpu_bytes_per_device <= budget:
+            fixes.append(f"train.micro_batch_size: {b} (raise gradient_accumulation_steps to keep the batch)")
+            break
+    trials = [("model.gradient_checkpointing: true", dict(checkpointing=True)),
+              ("fsdp.cpu_offload: true", dict(offload=True, strategy="fsdp")),
+              (f"distributed.num_processes: {2 * s.world} (strategy fsdp)", dict(gpus=2 * s.world, strategy="fsdp")),
+              (f"data.max_seq_len: {s.seq_len // 2}", dict(seq_len=s.seq_len // 2))]
+    for text, change in trials:
+        if all(getattr(s, k) == v for k, v in change.items()):
+            continue
+        if E.build(replace(s, **change), arch, "").gpu_bytes_per_device <= budget:
+            fixes.append(text)
+    return "; or ".join(fixes) if fixes else "use GPUs with more memory"
+
+
+def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, cpu_memory: int | None) -> list[Problem]:
+    s = E.from_recipe(r)
+    if gpus:
+        s = replace(s, gpus=gpus)
+        if gpus > 1 and s.strategy == "single":
+            s = replace(s, strategy="fsdp")
+    s = replace(s, gpu_memory=gpu_memory)
+    plan = E.build(s, arch, "")
+    out = []
+    if gpu_memory and plan.gpu_bytes_per_device > gpu_memory:
+        out.append(Problem(level="error", path="train.micro_batch_size",
+                           message=f"planned {E.fmt(plan.gpu_bytes_per_device)} per GPU (micro-batch {s.micro_batch} x "
+                                   f"{s.seq_len} tokens on {s.world} GPU(s)) does not fit in {E.fmt(gpu_memory)}",
+                           fix=_fit_fixes(s, arch, gpu_memory)))
+    if cpu_memory and plan.cpu_bytes_peak > cpu_memory:
+        phase = max(plan.cpu, key=plan.cpu.get)
+        out.append(Problem(level="error", path="fsdp.cpu_ram_efficient_loading" if phase == "loading" else
+                           "fsdp.cpu_offload", message=f"planned {E.fmt(plan.cpu_bytes_peak)} of CPU RAM while {phase} "
+                           f"does not fit in {E.fmt(cpu_memory)}",
+                           fix="turn on fsdp.cpu_ram_efficient_loading and model.low_cpu_mem_usage, or add RAM/swap"))
+    return out
+
+
+def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = None, *, env=None,
+              launched: bool | None = None, cpu_memory: int | None = None) -> list[Problem]:
+    """Every problem with this recipe here and now: contract, model shapes, launcher environment, GPUs,
+    memory fit. `gpus` is the total process count (default: the recipe's, or the launcher's); `gpu_memory`
+    the bytes of one GPU (default: the visible GPU's when launched). Errors first."""
+    env = os.environ if env is None else env
+    launched = _launched(env) if launched is None else launched
+    out = list(contract_problems(recipe))
+    found, arch = model_problems(recipe)
+    out += found
+    out += environment_problems(recipe, env, launched)
+    if launched and gpus is None and env.get("WORLD_SIZE"):
+        gpus = int(env["WORLD_SIZE"])
+    if launched and gpu_memory is None:
+        gpu_memory = _cuda()[2]
+    if arch is not None:
+        out += memory_problems(recipe, arch, gpus, gpu_memory, cpu_memory)
+    return sorted(out, key=lambda p: p.level != "error")
+
+
+def render(problems: list[Problem]) -> str:
+    return "\n".join(f"{p.level}: {p.render()}" for p in problems)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="finetune validate", description="Check a recipe before anything loads: "
+                                 "schema, FSDP+QLoRA contract, launcher environment, memory fit.")
+    ap.add_argument("recipe")
+    ap.add_argument("overrides", nargs="*", help="key=value overrides, as for training")
+    ap.add_argument("--gpus", type=int, help="total GPUs to plan for (default: the recipe's)")
+    ap.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GiB")
+    ap.add_argument("--cpu-memory", help="RAM of one machine, e.g. 128GiB")
+    a = ap.parse_args(argv)
+    try:
+        gpu_mem = E.parse_size(a.gpu_memory) if a.gpu_memory else None
+        cpu_mem = E.parse_size(a.cpu_memory) if a.cpu_memory else None
+    except ValueError as e:
+        raise RecipeError([str(e)]) from None
+    if a.gpus is not None and a.gpus < 1:
+        raise RecipeError([f"--gpus must be at least 1, got {a.gpus}"])
+    r = load(a.recipe, a.overrides)  # schema and contract errors raise RecipeError (exit 2)
+    problems = preflight(r, a.gpus, gpu_mem, cpu_memory=cpu_mem)
+    errors = sum(p.level == "error" for p in problems)
+    if problems:
+        print(render(problems))
+    warnings = len(problems) - errors
+    print(f"{a.recipe}: {'FAILED' if errors else 'ok'} ({errors} error(s), {warnings} warning(s))")
+    return 2 if errors else 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except RecipeError as err:
+        print(err.render(), file=sys.stderr)
+        sys.exit(2)

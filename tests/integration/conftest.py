@@ -1,0 +1,53 @@
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+
+def make_run_dir(root: Path, recipe: dict | None = None, quantize: bool = False, seed: int = 0,
+                 lora_kwargs: dict | None = None) -> Path:
+    """A run dir as training writes it: recipe.yaml + adapter/ (peft save_pretrained + tokenizer).
+
+    The LoRA is real peft (all-linear, r=16) with lora_B perturbed to non-zero values so the merge is
+    not a no-op. quantize=True builds it on the 4-bit model, as QLoRA/FSDP training does."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from finetune import recipe as recipe_mod
+    from finetune import tiny
+
+    base = tiny.model_dir()
+    r = recipe_mod.from_dict(recipe or {})
+    kw = {}
+    if quantize:
+        kw["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type=r.quantization.mode,
+            bnb_4bit_use_double_quant=r.quantization.double_quant, bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_quant_storage=getattr(torch, r.effective_quant_storage()))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, r.model.dtype), **kw)
+    cfg = LoraConfig(r=r.lora.r, lora_alpha=r.lora.alpha, target_modules="all-linear", lora_dropout=0.0,
+                     task_type="CAUSAL_LM", **(lora_kwargs or {}))
+    model = get_peft_model(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # zero at init; give it values of a trained adapter's size
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+    run = root / "run"
+    (run / "adapter").mkdir(parents=True)
+    model.save_pretrained(run / "adapter")
+    AutoTokenizer.from_pretrained(base).save_pretrained(run / "adapter")
+    (run / "recipe.yaml").write_text(yaml.safe_dump(r.model_dump(mode="json"), sort_keys=False))
+    return run
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    return make_run_dir(tmp_path_factory.mktemp("merge-run"))
+
+
+@pytest.fixture(scope="session")
+def qlora_run(tmp_path_factory):
+    """Adapter saved by plain peft from a model that was 4-bit during training (what FSDP runs write)."""
+    return make_run_dir(tmp_path_factory.mktemp("merge-qrun"), quantize=True, seed=1)
