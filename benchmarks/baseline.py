@@ -56,7 +56,7 @@ def plain_run(overrides: list[str], warmup: int, steps: int) -> dict:
 
     model.train()
     batches = iter(loader)
-    tokens, t0 = 0, time.perf_counter()
+    tokens, t0, first_loss = 0, time.perf_counter(), None
     for step in range(1, total + 1):
         if step == warmup + 1:
             tokens, t0 = 0, time.perf_counter()
@@ -68,8 +68,9 @@ def plain_run(overrides: list[str], warmup: int, steps: int) -> dict:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        out.loss.item()  # a loop reports its loss; finetune's does too
+        loss = out.loss.item()  # a loop reports its loss; finetune's does too
+        first_loss = loss if first_loss is None else first_loss
         tokens += int((batch["labels"][:, 1:] != -100).sum())
     seconds = time.perf_counter() - t0
     return {"tokens_per_s": tokens / seconds, "s_per_step": seconds / steps, "steps": steps, "tokens": tokens,
-            "seconds": seconds, "threads": torch.get_num_threads()}
+            "seconds": seconds, "threads": torch.get_num_threads(), "first_loss": first_loss}

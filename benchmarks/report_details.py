@@ -38,7 +38,10 @@ def throughput(r: dict) -> list[str]:
         f"| plain | {_f(r['plain_tokens_per_s'], 4)} | {_f(r['plain_s_per_step'])} | "
         f"{_samples(r['samples']['plain'])} |",
         "", f"Ratio of medians {_f(r['throughput_ratio'])}; ratio within each back-to-back pair: "
-            f"{_samples(r['pair_ratios'], 3)}."]
+            f"{_samples(r['pair_ratios'], 3)}.",
+        "", "Same work on both sides: the first step's loss (LoRA B starts at zero, so it depends only on the "
+            f"model and the batch) is {_f(r['first_loss']['finetune'], 7)} for finetune and "
+            f"{_f(r['first_loss']['plain'], 7)} for the plain loop."]
 
 
 def packing(r: dict) -> list[str]:

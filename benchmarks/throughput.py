@@ -45,8 +45,10 @@ def finetune_run(extra: list[str], warmup: int, steps: int) -> dict:
         rec = recipe_mod.load(TINY_RECIPE, overrides(warmup, steps, tuple(extra)) + [f"output.dir={tmp}"])
         with contextlib.redirect_stdout(io.StringIO()):
             train(rec, Path(tmp))
-        rate = steady_rate(read_jsonl(Path(tmp) / "metrics.jsonl"), after_step=warmup)
-    return {**rate, "threads": torch.get_num_threads()}
+        records = read_jsonl(Path(tmp) / "metrics.jsonl")
+    # step 1's loss: LoRA B starts at zero, so both loops must agree on it exactly (same model, same batch)
+    return {**steady_rate(records, after_step=warmup), "threads": torch.get_num_threads(),
+            "first_loss": records[0]["loss"]}
 
 
 def run(reps: int = 5, warmup: int = 5, steps: int = 20) -> dict:
@@ -64,7 +66,8 @@ def run(reps: int = 5, warmup: int = 5, steps: int = 20) -> dict:
             "plain_s_per_step": median([r["s_per_step"] for r in got["plain"]]),
             "pair_ratios": [a / b for a, b in zip(ft, pl)],
             "samples": {"finetune": ft, "plain": pl}, "reps": reps, "warmup_steps": warmup, "timed_steps": steps,
-            "threads": got["finetune"][0]["threads"]}
+            "threads": got["finetune"][0]["threads"],
+            "first_loss": {k: v[0]["first_loss"] for k, v in got.items()}}
 
 
 if __name__ == "__main__":

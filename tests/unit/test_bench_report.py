@@ -11,7 +11,8 @@ ROWS = {
     "throughput": {"throughput_ratio": 1.08, "finetune_tokens_per_s": 520.0, "plain_tokens_per_s": 481.5,
                    "finetune_s_per_step": 0.11, "plain_s_per_step": 0.12, "pair_ratios": [1.1, 1.05, 1.08],
                    "samples": {"finetune": [510.0, 520.0, 530.0], "plain": [480.0, 481.5, 490.0]}, "reps": 3,
-                   "warmup_steps": 5, "timed_steps": 20, "threads": 2},
+                   "warmup_steps": 5, "timed_steps": 20, "threads": 2,
+                   "first_loss": {"finetune": 2.331234, "plain": 2.3312341}},
     "packing": {"packing_speedup": 2.1, "padding_fraction_packed": 0.02, "padding_fraction_unpacked": 0.55},
     "merge_rss": {"merge_rss_growth": 0.04, "peft_rss_growth": 1.02, "model_bytes": {"small": 2e8, "large": 4e8},
                   "peak_rss_bytes": {"finetune": {"small": 5e8, "large": 5.1e8},
@@ -76,7 +77,7 @@ def test_markdown_has_machine_versions_commit_and_every_row():
     md = report.markdown(results())
     for text in ("Test CPU (2 cores)", "torch 2.13.0", "commit `abc123`", "**1.08** (520 vs 481.5)",
                  "**2.1** (padding 0.02 packed, 0.55 unpacked)", "(peft merge_and_unload: 1.02)", "**0.016**",
-                 "**1.3x**", "off: 1.2 x 4N; on: 1.18 x 6N", "**9.5 s**", "**1.2 s**", "4N", "6N"):
+                 "**1.3x**", "2.331234 for finetune", "off: 1.2 x 4N; on: 1.18 x 6N", "**9.5 s**", "**1.2 s**", "4N", "6N"):
         assert text in md, text
     assert md.count("| met |") == 4
     assert "Taken under load" not in md and "Quick run" not in md
