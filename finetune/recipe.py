@@ -117,10 +117,13 @@ class DataSource(_Section):
     or `builtin:tiny-instruct` (the synthetic set the project generates)."""
     split: str = "train"
     """Split of a hub or builtin dataset."""
+    subset: str | None = None
+    """Configuration (subset) of a hub dataset, e.g. `main` for gsm8k; null: its default."""
     format: DataFormat = "auto"
     """Row format; `auto` detects it from the fields."""
     weight: float = Field(1.0, gt=0)
-    """Relative share of this source when several are mixed."""
+    """Relative share of this source when several are mixed: it contributes weight x its rows
+    (0.5: a seeded half of them, 2: each row twice), so equal weights keep the sources' natural sizes."""
     max_samples: int | None = Field(None, ge=1)
     """Use at most this many rows of this source."""
     fields: dict[str, str] = Field(default_factory=dict)
@@ -144,7 +147,8 @@ class DataSpec(_Section):
     train_on_inputs: bool = False
     """Also train on prompt / user tokens. Off: loss only on completions and assistant turns."""
     chat_template: str | None = None
-    """Jinja chat template overriding the tokenizer's own, for `messages`/`sharegpt` data."""
+    """Jinja chat template overriding the tokenizer's own, for `messages`/`sharegpt` data, or `chatml`
+    for the builtin ChatML one. A template with {% generation %} markers decides the trained tokens itself."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A broken row (bad JSON, missing field, wrong type, empty text): stop (exit 2) or skip and report."""
     max_samples: int | None = Field(None, ge=1)

@@ -2,8 +2,8 @@
 instruction set. `builtin:tiny-llama` and `builtin:tiny-instruct` in a recipe resolve here.
 
 The model is a small Llama (GQA, RoPE, SwiGLU: the real architecture, scaled down) with a
-byte-level BPE tokenizer trained on the synthetic corpus. The tasks (reverse, rotate, first or last word) are
-easy to learn with LoRA and hard to guess, so learning is plain to see in loss and exact match.
+byte-level BPE tokenizer trained on the synthetic corpus. The tasks (reverse the words, or name the first, second
+or last) are quick to learn with LoRA and hard to guess, so learning is plain to see in loss and exact match.
 
 Everything is deterministic and written atomically (build in a temp dir, then rename), so several ranks
 building at once is safe.
@@ -52,8 +52,8 @@ def _atomic_build(target: Path, build) -> Path:
 TASKS = {
     "reverse": lambda w: w[::-1],
     "first": lambda w: w[:1],
+    "second": lambda w: w[1:2],
     "last": lambda w: w[-1:],
-    "rotate": lambda w: w[1:] + w[:1],
 }
 
 
@@ -66,21 +66,21 @@ def _example(rng: random.Random) -> dict:
 # The base model learns each skill under another instruction word. Fine-tuning then has to teach it that
 # "reverse:" means what it knows as "backwards:": instruction tuning unlocking an ability the base already
 # has, which a few hundred LoRA steps can do on a CPU.
-ALIASES = {"reverse": "backwards", "first": "opening", "last": "closing", "rotate": "cycle"}
+ALIASES = {"reverse": "backwards", "first": "opening", "second": "runnerup", "last": "closing"}
 
 
-def _pretrain_text(rng: random.Random) -> str:
-    """What the base model 'knows' before fine-tuning: the skills under their alias words, and the real
-    instruction words followed by random answers (so the base alone scores near zero exact match)."""
+def _pretrain_pair(rng: random.Random) -> tuple[str, str]:
+    """(prompt, answer) of what the base model 'knows' before fine-tuning: the skills under their alias
+    words, and the real instruction words followed by shuffles of at least two prompt words, so the base
+    alone almost never answers a real instruction right (near-zero exact match before fine-tuning)."""
     words = rng.sample(WORDS, rng.randint(3, 5))
     task = rng.choice(sorted(TASKS))
-    kind = rng.random()
-    if kind < 0.7:
-        return f"{ALIASES[task]}: {' '.join(words)}\n{' '.join(TASKS[task](words))}"
-    if kind < 0.9:
-        answer = rng.sample(words, rng.randint(1, len(words)))
-        return f"{task}: {' '.join(words)}\n{' '.join(answer)}"
-    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 12)))
+    if rng.random() < 0.8:
+        return f"{ALIASES[task]}: {' '.join(words)}\n", " ".join(TASKS[task](words))
+    answer = rng.sample(words, rng.randint(2, len(words)))
+    if answer == TASKS[task](words):
+        answer = answer[1:] + answer[:1]
+    return f"{task}: {' '.join(words)}\n", " ".join(answer)
 
 
 def make_rows(n: int, seed: int) -> list[dict]:
@@ -115,7 +115,7 @@ def build_tokenizer(out: Path):
     tok.decoder = decoders.ByteLevel()
     rng = random.Random(7)
     corpus = [r["prompt"] + r["completion"] for r in make_rows(3000, seed=7)]
-    corpus += [_pretrain_text(rng) for _ in range(3000)]
+    corpus += ["".join(_pretrain_pair(rng)) for _ in range(3000)]
     corpus += ["The quick brown fox jumps over the lazy dog. 0123456789 ,.;:!?'\"()[]{}<>-_=+*/\\@#$%&|~`^"]
     trainer = trainers.BpeTrainer(vocab_size=384, special_tokens=specials,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
@@ -129,23 +129,32 @@ def build_tokenizer(out: Path):
 
 
 ASSETS = Path(__file__).parent / "assets"
-PRETRAIN_STEPS = 2000
+PRETRAIN_STEPS = 1400
 
 
 def _pretrain(model, tok, steps: int, seed: int = 0):
-    """Full-parameter language modelling on `_pretrain_text`, so the shipped base is a (tiny) pretrained
-    model and not random noise: a frozen random base is a poor starting point for LoRA."""
+    """Full-parameter training on `_pretrain_pair`, loss on the answers only (the prompts are random words
+    with nothing to learn), so the shipped base is a small pretrained model, not random noise: a frozen
+    random base is a poor start for LoRA."""
     import torch
 
     rng = random.Random(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * min(1.0, 2 * (1 - s / steps) + 0.05))
     model.train()
     for step in range(steps):
-        texts = [_pretrain_text(rng) for _ in range(32)]
-        enc = tok([t + tok.eos_token for t in texts], return_tensors="pt", padding=True)
-        labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
-        loss = model(**enc, labels=labels).loss
+        ids, labels = [], []
+        for _ in range(64):
+            prompt, answer = _pretrain_pair(rng)
+            p = tok(prompt)["input_ids"]
+            a = tok(answer)["input_ids"] + [tok.eos_token_id]
+            ids.append(p + a)
+            labels.append([-100] * len(p) + a)
+        n = max(map(len, ids))
+        x = torch.tensor([i + [tok.pad_token_id] * (n - len(i)) for i in ids])
+        y = torch.tensor([lab + [-100] * (n - len(lab)) for lab in labels])
+        mask = (x != tok.pad_token_id).long()
+        loss = model(input_ids=x, attention_mask=mask, labels=y).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

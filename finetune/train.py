@@ -40,17 +40,20 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[to
     return loss, int((shift_labels != data_mod.IGNORE).sum())
 
 
-def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int):
+def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int, layout: str | None):
     """This rank's micro-batches for an epoch. The order depends only on (shuffle_seed, epoch), so a
-    resumed run sees the same data, and each global batch is split across ranks."""
+    resumed run sees the same data, and each global batch is split across ranks. `layout` is the packing
+    layout the attention backend supports (data.packing_layout), None for dynamic padding."""
     order = list(examples)
     random.Random(spec.data.shuffle_seed * 1000 + epoch).shuffle(order)
     mb = spec.train.micro_batch_size
-    if spec.data.packing:
+    if layout:
         order = data_mod.pack(order, spec.data.max_seq_len)
     global_batches = [order[i: i + mb * world] for i in range(0, len(order) - mb * world + 1, mb * world)]
-    collate = data_mod.collate_packed if spec.data.packing else data_mod.collate
-    return [collate(g[rank * mb:(rank + 1) * mb], pad_id) for g in global_batches]
+    if layout:
+        return [data_mod.collate_packed(g[rank * mb:(rank + 1) * mb], pad_id, flat=layout == "flat")
+                for g in global_batches]
+    return [data_mod.collate(g[rank * mb:(rank + 1) * mb], pad_id) for g in global_batches]
 
 
 def global_sum(accelerator, value: float) -> float:
@@ -81,7 +84,7 @@ def setup(recipe: Recipe):
     acc = make_accelerator(recipe.distributed, recipe.fsdp, recipe.train, recipe.model.dtype)
     torch.manual_seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model)
-    with acc.main_process_first():  # builtin assets and data caches are built once per node
+    with acc.local_main_process_first():  # builtin assets and data caches are built once per node
         prepared = data_mod.prepare(recipe.data, tok)
     model = load_model(recipe.model, recipe.quantization, notice=print0)
     enable_checkpointing(model, recipe.model)
@@ -89,10 +92,10 @@ def setup(recipe: Recipe):
     return acc, tok, model, prepared
 
 
-def plan_steps(recipe: Recipe, examples: list, world: int) -> tuple[int, int]:
+def plan_steps(recipe: Recipe, examples: list, world: int, layout: str | None) -> tuple[int, int]:
     """(micro-batches per epoch per rank, total optimizer steps)."""
     t = recipe.train
-    rows = len(data_mod.pack(examples, recipe.data.max_seq_len)) if recipe.data.packing else len(examples)
+    rows = len(data_mod.pack(examples, recipe.data.max_seq_len)) if layout else len(examples)
     per_epoch = rows // (t.micro_batch_size * world)
     if per_epoch < t.gradient_accumulation_steps:
         raise RecipeError([f"data: {rows} rows make {per_epoch} micro-batches of {t.micro_batch_size} x "
@@ -126,18 +129,23 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def train(recipe: Recipe, run_dir: Path) -> dict:
+def train(recipe: Recipe, run_dir: Path, return_model: bool = False) -> dict:
+    """Run the recipe into run_dir; returns the final metrics (and the trained model, for tests and
+    notebooks, when return_model)."""
     stop = StopSignal()
     try:
-        return _train(recipe, run_dir, stop)
+        result = _train(recipe, run_dir, stop, return_model)
+        return result
     finally:
         stop.restore()
 
 
-def _train(recipe: Recipe, run_dir: Path, stop: StopSignal) -> dict:
+def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool = False) -> dict:
     acc, tok, model, prepared = setup(recipe)
     rank, world, dev = acc.process_index, acc.num_processes, acc.device
-    per_epoch, total_steps = plan_steps(recipe, prepared.train, world)
+    layout = data_mod.packing_layout(recipe.data.packing, acc.unwrap_model(model).config._attn_implementation,
+                                     print0)
+    per_epoch, total_steps = plan_steps(recipe, prepared.train, world, layout)
     t = recipe.train
     optimizer = build_optimizer(model, t)
     scheduler = build_scheduler(optimizer, t, total_steps)
@@ -160,7 +168,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal) -> dict:
                                     recipe.data.max_seq_len)
     metrics = Metrics(run_dir, total_steps, step, recipe.output.progress_bar)
     model.train()
-    batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id)
+    batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id, layout)
     tokens_seen, t_log = 0, time.perf_counter()
     last = {}
     while step < total_steps:
@@ -170,7 +178,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal) -> dict:
         while len(micro) < t.gradient_accumulation_steps:
             if cursor >= len(batches):
                 epoch, cursor = epoch + 1, 0
-                batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id)
+                batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id, layout)
             micro.append({k: v.to(dev) for k, v in batches[cursor].items()})
             cursor += 1
         local_tokens = sum(int((b["labels"][:, 1:] != data_mod.IGNORE).sum()) for b in micro)
@@ -213,6 +221,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal) -> dict:
     export_adapter(acc, model, tok, run_dir)
     metrics.close()
     acc.wait_for_everyone()
+    if return_model:
+        final["model"] = acc.unwrap_model(model)
     return final
 
 

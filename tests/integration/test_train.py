@@ -49,23 +49,27 @@ def test_first_losses_are_pinned_and_fall(tmp_path):
 PINNED_FIRST_LOSS = 6.0
 
 
-def test_trainable_params_change_and_frozen_do_not(tmp_path, tiny_model_dir):
+def test_trainable_params_change_and_frozen_do_not(tmp_path):
     from finetune.lora import apply_lora
     from finetune.model import load_model
 
     r = tiny(tmp_path)
-    before = apply_lora(load_model(r.model, r.quantization), r.lora, seed=r.train.seed)
-    frozen_before = {n: p.detach().clone() for n, p in before.named_parameters() if not p.requires_grad}
-    lora_before = {n: p.detach().clone() for n, p in before.named_parameters() if p.requires_grad}
-    train(r, tmp_path / "run")
-    saved = adapter(tmp_path / "run")
-    changed = [k for k in saved if not torch.equal(saved[k], lora_before[k.replace(".weight", ".default.weight")])]
-    assert len(changed) == len(saved) > 0
-    # The frozen 4-bit base is not in the adapter and is reloaded bit-identical from disk.
-    reloaded = apply_lora(load_model(r.model, r.quantization), r.lora, seed=r.train.seed)
-    for n, p in reloaded.named_parameters():
-        if not p.requires_grad:
-            assert torch.equal(p, frozen_before[n]), n
+    fresh = apply_lora(load_model(r.model, r.quantization), r.lora, seed=r.train.seed)
+    trained = train(r, tmp_path / "run", return_model=True)["model"]
+    before = dict(fresh.named_parameters())
+    n_trainable = n_frozen = 0
+    for name, p in trained.named_parameters():
+        # Compare raw bytes: packed 4-bit storage viewed as floats can hold NaNs.
+        same = torch.equal(p.detach().view(torch.uint8), before[name].detach().view(torch.uint8))
+        if p.requires_grad:
+            n_trainable += 1
+            assert "lora_" in name and not same, name
+        else:
+            n_frozen += 1
+            assert same, name
+    assert n_trainable == 4 * 7 * 2 and n_frozen > 0
+    assert set(adapter(tmp_path / "run")) == {k.replace(".default", "") for k, p in trained.named_parameters()
+                                              if p.requires_grad}
 
 
 def test_micro_batch_times_accumulation_is_invariant(tmp_path):
@@ -73,7 +77,8 @@ def test_micro_batch_times_accumulation_is_invariant(tmp_path):
     b = tiny(tmp_path, "b", train={"micro_batch_size": 4, "gradient_accumulation_steps": 2})
     train(a, tmp_path / "a")
     train(b, tmp_path / "b")
-    assert losses(tmp_path / "a") == pytest.approx(losses(tmp_path / "b"), rel=1e-4)
+    # Same tokens, same normalisation; only the bf16 matmul batching differs.
+    assert losses(tmp_path / "a") == pytest.approx(losses(tmp_path / "b"), rel=1e-3)
     wa, wb = adapter(tmp_path / "a"), adapter(tmp_path / "b")
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-3, atol=1e-5)
@@ -126,7 +131,8 @@ def test_resume_ends_with_the_same_adapter(tmp_path):
 
 def test_cli_overrides_and_bad_input(tmp_path):
     out = tmp_path / "x"
-    p = run_cli(["recipes/tiny_cpu.yaml", "train.max_steps=2", f"output.dir={out}", "data.max_samples=64",
+    p = run_cli(["recipes/tiny_cpu.yaml", "train.max_steps=2", "train.warmup_steps=0", f"output.dir={out}",
+                 "data.max_samples=64",
                  "output.progress_bar=false"])
     assert p.returncode == 0, p.stderr[-2000:]
     assert len(losses(out)) >= 1 and json.loads((out / "metrics.jsonl").read_text().splitlines()[-2])["step"] == 2
