@@ -35,7 +35,8 @@ def plain_run(overrides: list[str], warmup: int, steps: int) -> dict:
     torch.manual_seed(t.seed)
     path = tiny.model_dir()
     tok = AutoTokenizer.from_pretrained(path)
-    examples = list(prepare(rec.data, tok).train)  # the same tokenized rows as finetune's run
+    # the same tokenized rows as finetune's run, as plain {input_ids, labels} features for the collator
+    examples = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in prepare(rec.data, tok).train]
     random.Random(rec.data.shuffle_seed * 1000).shuffle(examples)  # and finetune's epoch-0 order
 
     bnb_cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
