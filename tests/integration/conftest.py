@@ -33,7 +33,7 @@ def make_run_dir(root: Path, recipe: dict | None = None, quantize: bool = False,
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:  # zero at init; give it values of a trained adapter's size
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     run = root / "run"
     (run / "adapter").mkdir(parents=True)
     model.save_pretrained(run / "adapter")

@@ -165,7 +165,7 @@ def test_unsupported_adapters_are_refused(tiny_run, tmp_path, capsys):
 
 
 def test_rslora_scaling_matches_peft(tmp_path):
-    from conftest import make_run_dir
+    from .conftest import make_run_dir
 
     run = make_run_dir(tmp_path, recipe={"lora": {"r": 8, "alpha": 16}}, lora_kwargs={"use_rslora": True})
     out = merge(run, output=tmp_path / "m", dtype="fp32")
