@@ -3,7 +3,8 @@
 Pure rules (settings that contradict each other) live in `recipe.contract_problems`. This module adds what
 depends on the world outside the recipe: the model's shapes (config.json or the built-in table), the
 launcher's environment, whether flash-attn and GPUs are there, and whether the plan fits in memory.
-Training calls `preflight` with the same rules before it loads weights.
+Training calls `preflight` with the same rules before it loads weights; it also checks that the output
+directory can be written and its disk holds the checkpoints the recipe keeps (finetune.diskcheck).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from dataclasses import replace
 
 from finetune import estimate as E
+from finetune.diskcheck import output_problems
 from finetune.launcher import launcher_problems
 from finetune.recipe import Problem, Recipe, RecipeError, contract_problems, load
 
@@ -151,6 +153,8 @@ def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = 
         gpu_memory = _cuda()[2]
     if arch is not None:
         out += memory_problems(recipe, arch, gpus, gpu_memory, cpu_memory)
+    # Unwritable output or too little disk for the checkpoints: found now, not at the first save hours in.
+    out += output_problems(recipe, arch, gpus or recipe.distributed.num_processes or 1)
     return sorted(out, key=lambda p: p.level != "error")
 
 
