@@ -65,6 +65,15 @@ def train_main(argv: list[str]) -> int:
     return 0
 
 
+def run_module(main_fn) -> int:
+    """`python -m finetune.X` entry for verb modules: same exit codes and error rendering as `finetune X`."""
+    try:
+        return int(main_fn(sys.argv[1:]) or 0)
+    except RecipeError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     redact.install()  # secrets (HF_TOKEN, *_KEY, ...) never reach the logs, whatever prints them

@@ -463,10 +463,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from finetune.recipe import RecipeError
+    from finetune.cli import run_module
 
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except RecipeError as err:
-        print(err.render(), file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_module(main))

@@ -176,8 +176,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except RecipeError as e:
-        print(e.render(), file=sys.stderr)
-        sys.exit(2)
+    from finetune.cli import run_module
+
+    sys.exit(run_module(main))
