@@ -8,6 +8,7 @@ format, full shapes (gathered). Each rank writes its own optimizer and RNG state
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
 
 from .diskcheck import explain
 
@@ -33,11 +34,27 @@ def _fsync_dir(path: Path):
         pass
 
 
+def _write_bytes(path: Path, data: bytes):
+    """Plain Python I/O, so a failed write raises OSError with its errno (disk full, quota, ...). torch.save
+    and safetensors' save_file, writing themselves, report the same failure as a RuntimeError or a
+    SafetensorError whose only trace of the cause is in the message."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch_save(obj, path: Path):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    _write_bytes(path, buf.getbuffer())
+
+
 def write_adapter(out: Path, peft_config, state: dict):
     """PEFT format from a full (gathered) adapter state dict: loads with PeftModel.from_pretrained."""
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    _write_bytes(out / "adapter_model.safetensors", safetensors_bytes(tensors, metadata={"format": "pt"}))
     peft_config.save_pretrained(str(out))
 
 
@@ -129,11 +146,11 @@ def save(root: Path, step: int, *, rank: int, world: int, barrier, adapter: tupl
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()
-        torch.save(optimizer.state_dict(), tmp / f"optimizer-rank{rank}.pt")
-        torch.save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+        _torch_save(optimizer.state_dict(), tmp / f"optimizer-rank{rank}.pt")
+        _torch_save(_rng_state(), tmp / f"rng-rank{rank}.pt")
         if rank == 0:
             write_adapter(tmp / "adapter", *adapter)
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
         barrier()
         if rank == 0:
             _fsync_tree(tmp)

@@ -114,6 +114,9 @@ def output_problems(recipe, arch=None, world: int = 1, disk_usage=shutil.disk_us
     checkpoints this recipe keeps (checked only when the model's shapes are known)."""
     from finetune.recipe import Problem
 
+    if "\x00" in recipe.output.dir or not recipe.output.dir.strip():
+        return [Problem(level="error", path="output.dir", message=f"not a usable path: {recipe.output.dir!r}",
+                        fix="give a directory path")]
     out_dir = Path(os.path.expanduser(recipe.output.dir))
     base, why = existing_ancestor(out_dir)
     if base is None:

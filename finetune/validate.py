@@ -60,6 +60,30 @@ def model_problems(r: Recipe) -> tuple[list[Problem], object]:
     return out, arch
 
 
+def code_problems(r: Recipe) -> list[Problem]:
+    """A model whose config maps to its own Python code (`auto_map`) runs that code when loaded: only
+    with model.trust_remote_code. Pickle-only weights are refused at load time (model.allow_pickle)."""
+    from finetune.archs import find_config
+
+    try:
+        cfg, where = find_config(r.model.name)
+    except (ValueError, OSError):
+        return []
+    if not cfg or not cfg.get("auto_map") or r.model.trust_remote_code:
+        return []
+    # Imported only here (seconds): a model that ships code is rare.
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    code = ", ".join(sorted(map(str, cfg["auto_map"])))
+    if cfg.get("model_type") in CONFIG_MAPPING_NAMES:
+        return [Problem(level="warning", path="model.trust_remote_code",
+                        message=f"{where} ships its own Python code ({code}); it is not run: transformers' built-in "
+                                f"{cfg['model_type']} implementation is used", fix="nothing, unless you need that code")]
+    return [Problem(level="error", path="model.trust_remote_code",
+                    message=f"{where} needs the model's own Python code ({code}), which would run on load",
+                    fix="read that code, then set model.trust_remote_code: true if you trust it")]
+
+
 def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
     out: list[Problem] = []
     m, d = r.model, r.distributed
@@ -146,6 +170,7 @@ def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = 
     out = list(contract_problems(recipe))
     found, arch = model_problems(recipe)
     out += found
+    out += code_problems(recipe)
     out += environment_problems(recipe, env, launched)
     if launched and gpus is None and env.get("WORLD_SIZE"):
         gpus = int(env["WORLD_SIZE"])
