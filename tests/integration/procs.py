@@ -21,10 +21,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def fork_cli(argv: list[str], log: Path, env: dict | None = None, threads: int | None = 1) -> int:
+def fork_cli(argv: list[str], log: Path, env: dict | None = None, threads: int | None = 1, before=None) -> int:
     """pid of a child running cli.main(argv), its stdout and stderr going to `log`. `threads`: torch's
     CPU threads in the child (one by default, so two children share two cores without slowing each other;
-    runs that are compared must use the same number)."""
+    runs that are compared must use the same number). `before()` runs in the child first (e.g. limits)."""
     from finetune import cli  # imported before forking: the child starts warm
 
     pid = os.fork()
@@ -40,6 +40,8 @@ def fork_cli(argv: list[str], log: Path, env: dict | None = None, threads: int |
         for sig in (signal.SIGTERM, signal.SIGINT):  # what a fresh interpreter has, whatever pytest set
             signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
         os.environ.update(env or {})
+        if before:
+            before()
         if threads:
             import torch
 

@@ -20,8 +20,7 @@ pytestmark = pytest.mark.slow
 STEPS = 16
 BASE = ["recipes/tiny_cpu.yaml", f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.micro_batch_size=4",
         "train.log_every=1", "eval.max_batches=1", "output.progress_bar=false", "data.eval_sources=[]",
-        "data.sources=[{path: 'builtin:tiny-instruct', max_samples: 96}]",
-        "model.name=/root/.cache/finetune/tiny-llama-v3"]  # DEVONLY
+        "data.sources=[{path: 'builtin:tiny-instruct', max_samples: 96}]"]
 
 
 def stopped_step(log_text: str) -> int:

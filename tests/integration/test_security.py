@@ -112,3 +112,32 @@ def test_remote_code_needs_trust_remote_code(tmp_path):
     except Exception:  # noqa: BLE001 - loading may fail after the import; the import is what we check
         pass
     assert (tmp_path / "pwned").is_dir()
+
+
+HF = "hf_" + "QwErTyUiOpAsDfGhJkLzXcVbNm12345678"
+SECRETS = {"HF_TOKEN": HF, "WANDB_API_KEY": "3f9a1c0d5e7b2468ace013579bdf2468ace01357",
+           "FINETUNE_TEST_DB_PASSWORD": "pw-Secret-4711"}
+
+
+def test_a_planted_secret_reaches_no_log_metric_or_file(tmp_path):
+    """Secrets in the environment (where tokens live), and one pasted into a recipe field: a whole run
+    (train with checkpoints, final eval, adapter export) writes none of them anywhere: not to its
+    stdout/stderr, metrics.jsonl, recipe.yaml, checkpoints, adapter or the data cache."""
+    from .procs import fork_cli, wait_pid
+    from .test_crash_safety import warm
+
+    warm()
+    run, log, cache = tmp_path / "run", tmp_path / "log", tmp_path / "cache"
+    argv = ["recipes/tiny_cpu.yaml", "train.max_steps=3", "train.warmup_steps=1", "train.save_every=1",
+            "train.micro_batch_size=4", "train.log_every=1", "eval.max_batches=1", "output.progress_bar=false",
+            "data.sources=[{path: 'builtin:tiny-instruct', max_samples: 32}]", f"output.dir={run}",
+            f"model.revision={HF}"]  # a token pasted where it does not belong (ignored for a local model)
+    pid = fork_cli(argv, log, env={**SECRETS, "FINETUNE_CACHE": str(cache)})
+    assert wait_pid(pid, 300) == 0, log.read_text()[-3000:]
+    written = [p for p in [log, *run.rglob("*"), *cache.rglob("*")] if p.is_file()]
+    assert len(written) > 20 and (run / "metrics.jsonl") in written and (run / "recipe.yaml") in written
+    for path in written:
+        data = path.read_bytes()
+        for name, value in SECRETS.items():
+            assert value.encode() not in data, f"{name} found in {path}"
+    assert "revision: '***'" in (run / "recipe.yaml").read_text()

@@ -103,3 +103,14 @@ def test_validate_cli_reports_it_and_exits_2(tmp_path):
                           f"output.dir={tmp_path / 'file' / 'run'}"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 2 and "output.dir" in out.stdout and "is a file" in out.stdout, out
+
+
+def test_training_stops_before_loading_anything(tmp_path):
+    """The training verb runs the same preflight first: exit 2 in well under a second of work, no
+    traceback, nothing created."""
+    (tmp_path / "file").write_text("x")
+    out = subprocess.run([sys.executable, "-m", "finetune", "recipes/tiny_cpu.yaml",
+                          f"output.dir={tmp_path / 'file' / 'run'}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "is a file" in out.stderr and "Traceback" not in out.stderr, out
+    assert "torch" not in out.stderr and sorted(p.name for p in tmp_path.iterdir()) == ["file"]
