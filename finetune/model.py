@@ -108,6 +108,11 @@ def load_model(spec: ModelSpec, quant: QuantizationSpec, device_map=None, notice
     for p in model.parameters():
         p.requires_grad_(False)
     keep_buffers_fp32(model)
+    from .distributed import disable_cpu_weight_repacking
+
+    # bitsandbytes repacks 4-bit weights in place on AVX512-BF16 CPUs during eval forwards, which corrupts
+    # later training steps and every FSDP gather (see disable_cpu_weight_repacking); keep the trained layout.
+    disable_cpu_weight_repacking(model)
     return model
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from . import checkpoint, data as data_mod
-from .distributed import autocast, make_accelerator, print0
+from .distributed import autocast, gather_full_adapter_state, make_accelerator, prepare, print0
 from .lora import apply_lora, trainable_report
 from .metrics import Metrics
 from .model import enable_checkpointing, load_model, load_tokenizer
@@ -148,15 +148,19 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     per_epoch, total_steps = plan_steps(recipe, prepared.train, world, layout)
     t = recipe.train
     optimizer = build_optimizer(model, t)
-    scheduler = build_scheduler(optimizer, t, total_steps)
-    model, optimizer = acc.prepare(model, optimizer)
+    scheduler = build_scheduler(optimizer, t, total_steps)  # stepped by us, once per step: never prepared
     ckpt_root = run_dir / "checkpoints"
-
     step, epoch, cursor = 0, 0, 0  # cursor: micro-batches consumed in the current epoch
+    if acc.is_main_process:
+        checkpoint.clean_partial(ckpt_root)  # leftovers of an interrupted checkpoint write
+    acc.wait_for_everyone()
     resume_from = resolve_resume(t.resume, ckpt_root)
     if resume_from is not None:
         state = checkpoint.verify(resume_from, world)
-        load_adapter_into(model, resume_from / "adapter", acc)
+        # Adapter weights go in before sharding: every rank loads the full tensors, FSDP then shards them.
+        load_adapter_into(model, resume_from / "adapter")
+    model, optimizer = prepare(acc, model, optimizer)
+    if resume_from is not None:
         checkpoint.load_training_state(resume_from, rank, optimizer, scheduler)
         step, epoch, cursor = state["step"], state["data"]["epoch"], state["data"]["cursor"]
         print0(f"resume: from {resume_from} (step {step})")
@@ -164,7 +168,9 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         write_recipe(run_dir, recipe)
         print0(f"model: {trainable_report(model)}; data: {prepared.stats['rows']} rows, "
                f"{prepared.stats['trained_tokens']} trained tokens; {total_steps} steps")
-    eval_batches = data_mod.batches(prepared.eval[rank::world], t.micro_batch_size, tok.pad_token_id, False,
+    # Every rank must run the same number of forwards (a sharded forward is collective): drop the remainder.
+    held = prepared.eval[: len(prepared.eval) // world * world]
+    eval_batches = data_mod.batches(held[rank::world], t.micro_batch_size, tok.pad_token_id, False,
                                     recipe.data.max_seq_len)
     metrics = Metrics(run_dir, total_steps, step, recipe.output.progress_bar)
     model.train()
@@ -230,7 +236,6 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
 
 
 def resolve_resume(resume, ckpt_root: Path) -> Path | None:
-    checkpoint.clean_partial(ckpt_root)
     if resume is False:
         if checkpoint.latest(ckpt_root):
             raise RecipeError([f"train.resume: false, but {ckpt_root} holds checkpoints; use another "
@@ -245,17 +250,21 @@ def resolve_resume(resume, ckpt_root: Path) -> Path | None:
 
 
 def adapter_state(acc, model) -> dict:
-    """Full-shape adapter weights on rank 0 (gathered when sharded)."""
-    from peft import get_peft_model_state_dict
+    """Full-shape adapter weights on rank 0, {} elsewhere (gathered from the shards under FSDP).
+    Collective: every rank calls it."""
+    return gather_full_adapter_state(acc, model)
 
-    return get_peft_model_state_dict(acc.unwrap_model(model))
 
-
-def load_adapter_into(model, adapter_dir: Path, acc):
+def load_adapter_into(model, adapter_dir: Path):
+    """Checkpointed adapter weights into the (not yet sharded) PeftModel; every key must match."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    set_peft_model_state_dict(acc.unwrap_model(model), load_file(str(adapter_dir / "adapter_model.safetensors")))
+    result = set_peft_model_state_dict(model, load_file(str(adapter_dir / "adapter_model.safetensors")))
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint adapter does not match the model: missing {missing[:3]}, "
+                           f"unexpected {list(result.unexpected_keys)[:3]}")
 
 
 def save_checkpoint(acc, model, optimizer, scheduler, root, step, epoch, cursor, keep):

@@ -1,0 +1,88 @@
+"""`python -m benchmarks [--json]`: every row, each in a fresh interpreter, then benchmarks/RESULTS.md.
+
+Rows (one module each): throughput (1), packing (2), merge_rss (3), estimate_error (4), checkpointing (5),
+startup (6). With --json the last line of stdout is one JSON object: the four goal figures first, then
+everything measured. Progress goes to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks import common, report
+
+# row -> (kwargs for the record, kwargs for --quick, timeout in seconds). The record settings keep the
+# whole run near 8 minutes on 2 idle cores.
+ROWS = {
+    "throughput": ({"reps": 5, "warmup": 5, "steps": 20}, {"reps": 1, "warmup": 2, "steps": 2}, 900),
+    "packing": ({}, {}, 600),
+    "merge_rss": ({}, {}, 600),
+    "estimate_error": ({}, {}, 600),
+    "checkpointing": ({"reps": 5, "warmup": 5, "steps": 10}, {"reps": 1, "warmup": 2, "steps": 2}, 900),
+    "startup": ({"first_step_reps": 3, "validate_reps": 5}, {"first_step_reps": 1, "validate_reps": 1}, 600),
+}
+DEFAULT_OUT = common.ROOT / "benchmarks" / "RESULTS.md"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    ap.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    ap.add_argument("--rows", help=f"comma-separated subset of: {', '.join(ROWS)} (default: all)")
+    ap.add_argument("--quick", action="store_true", help="fewest repetitions and steps: for trying the harness, "
+                    "not for the record (RESULTS.md says so)")
+    ap.add_argument("--threads", type=int, help="OMP_NUM_THREADS for every measurement (default: torch's own "
+                    "choice, one per core)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the markdown report")
+    ap.add_argument("--check", action="store_true", help="exit 1 unless all four goals are met")
+    a = ap.parse_args(argv)
+    a.selected = list(ROWS) if not a.rows else [r.strip() for r in a.rows.split(",") if r.strip()]
+    unknown = [r for r in a.selected if r not in ROWS]
+    if unknown or not a.selected:
+        ap.error(f"unknown row(s) {', '.join(unknown) or '(none given)'}; rows are: {', '.join(ROWS)}")
+    if a.threads is not None and a.threads < 1:
+        ap.error("--threads must be at least 1")
+    return a
+
+
+def meta(a: argparse.Namespace, argv: list[str]) -> dict:
+    return {"command": " ".join(["python -m benchmarks", *argv]), "date": common.now(), "commit": common.commit(),
+            "machine": common.machine(), "versions": common.versions(), "quick": a.quick,
+            "threads": a.threads, "load_before": common.load_average(), "rows_run": a.selected}
+
+
+def run_rows(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    rows = {}
+    for name in a.selected:
+        full, quick, timeout = ROWS[name]
+        log(f"benchmarks: {name} ...")
+        rows[name] = common.run_module(name, quick if a.quick else full, timeout, a.threads)
+        log(f"benchmarks: {name}: {report.status(rows[name])} ({rows[name].get('seconds', '?')} s)")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    t0 = time.perf_counter()
+    results = {"meta": meta(a, argv)}
+    results["rows"] = run_rows(a)
+    results["meta"].update(seconds=round(time.perf_counter() - t0, 1), load_after=common.load_average())
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(report.markdown(results))
+    print(report.summary_table(results))
+    print(f"\nwrote {a.out}")
+    s = report.summary(results)
+    if a.json:
+        print(json.dumps(s, default=str))
+    failed = [n for n, st in s["row_status"].items() if st == "error"]
+    if failed:
+        print(f"benchmarks: failed rows: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 1 if a.check and not s["all_goals_met"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Goals, the one-line JSON summary and benchmarks/RESULTS.md, from the rows' result dicts (pure formatting)."""
+from __future__ import annotations
+
+import operator
+
+# headline key -> (row that produces it, comparison, goal)
+GOALS = {
+    "throughput_ratio": ("throughput", ">=", 1.0),
+    "packing_speedup": ("packing", ">=", 1.5),
+    "merge_rss_growth": ("merge_rss", "<", 0.25),
+    "estimate_error": ("estimate_error", "<=", 0.15),
+}
+_OPS = {">=": operator.ge, "<": operator.lt, "<=": operator.le}
+# other figures worth a key of their own in the JSON summary: key -> (row, key in that row)
+EXTRA = {"checkpointing_step_time_ratio": ("checkpointing", "step_time_ratio"),
+         "checkpointing_flops_ratio": ("checkpointing", "flops_ratio"),
+         "first_step_s": ("startup", "first_step_s"), "validate_70b_s": ("startup", "validate_70b_s")}
+LOADED = 0.5  # load average per core above which timings are flagged as taken under load
+
+
+def status(row: dict | None) -> str:
+    if row is None:
+        return "not run"
+    if "error" in row:
+        return "error"
+    if row.get("available") is False:
+        return "not available"
+    return "ok"
+
+
+def goals(rows: dict) -> dict:
+    """key -> {value, goal, met}; met is None when the row did not produce the figure."""
+    out = {}
+    for key, (row, op, target) in GOALS.items():
+        value = rows.get(row, {}).get(key) if status(rows.get(row)) == "ok" else None
+        out[key] = {"value": value, "goal": f"{op} {target}",
+                    "met": None if value is None else bool(_OPS[op](value, target))}
+    return out
+
+
+def summary(results: dict) -> dict:
+    """The object `--json` prints: headline figures first, then everything measured."""
+    rows, g = results["rows"], goals(results["rows"])
+    out = {k: v["value"] for k, v in g.items()}
+    for key, (row, inner) in EXTRA.items():
+        out[key] = rows.get(row, {}).get(inner)
+    out["goals_met"] = {k: v["met"] for k, v in g.items()}
+    out["all_goals_met"] = all(v["met"] for v in g.values())
+    out["row_status"] = {name: status(r) for name, r in rows.items()}
+    return {**out, "meta": results["meta"], "rows": rows}
+
+
+def under_load(meta: dict) -> bool:
+    cores = meta.get("machine", {}).get("cores") or 1
+    loads = [x for x in (meta.get("load_before"), meta.get("load_after")) if x is not None]
+    return any(x / cores > LOADED for x in loads)
+
+
+def _f(x, digits=3, unit=""):
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}{unit}"
+    return f"{x}{unit}"
+
+
+def _row_cell(rows: dict, name: str, text) -> str:
+    st = status(rows.get(name))
+    if st == "ok":
+        return text()
+    if st == "error":
+        return f"error: {rows[name]['error']}"
+    if st == "not available":
+        return f"not available ({rows[name].get('reason', '')})"
+    return "not run"
+
+
+def summary_table(results: dict) -> str:
+    rows, g = results["rows"], goals(results["rows"])
+    mark = {True: "met", False: "NOT met", None: "-"}
+
+    def goal_line(n, key, label, extra):
+        v = g[key]
+        cell = _row_cell(rows, GOALS[key][0], lambda: f"**{_f(v['value'])}** {extra()}")
+        return f"| {n} | {label} (`{key}`) | {cell} | {v['goal']} | {mark[v['met']]} |"
+
+    t, p, m, c, s = (rows.get(k, {}) for k in ("throughput", "packing", "merge_rss", "checkpointing", "startup"))
+    lines = ["| # | measure | result | goal | |", "|---|---|---|---|---|",
+             goal_line(1, "throughput_ratio", "finetune loop / plain loop, trained tokens/s",
+                       lambda: f"({_f(t.get('finetune_tokens_per_s'), 4)} vs {_f(t.get('plain_tokens_per_s'), 4)})"),
+             goal_line(2, "packing_speedup", "packed / unpacked, trained tokens/s",
+                       lambda: f"(padding {_f(p.get('padding_fraction_packed'), 2)} packed, "
+                               f"{_f(p.get('padding_fraction_unpacked'), 2)} unpacked)"),
+             goal_line(3, "merge_rss_growth", "peak RSS per extra model byte, `finetune merge`",
+                       lambda: f"(peft merge_and_unload: {_f(m.get('peft_rss_growth'))})"),
+             goal_line(4, "estimate_error", "worst relative error of the planner, tiny model", lambda: ""),
+             "| 5 | checkpointing on / off, step time | "
+             + _row_cell(rows, "checkpointing", lambda: f"**{_f(c['step_time_ratio'])}x** "
+                         f"({_f(c['s_per_step']['on'])} s vs {_f(c['s_per_step']['off'])} s)") + " | - | |",
+             "| 5 | FLOPs per token, counted / rule | "
+             + _row_cell(rows, "checkpointing", lambda: f"off: {_f(c['flops']['off']['vs_rule'])} x 4N; "
+                         f"on: {_f(c['flops']['on']['vs_rule'])} x 6N") + " | - | |",
+             "| 6 | time to first step, tiny recipe | "
+             + _row_cell(rows, "startup", lambda: f"**{_f(s['first_step_s'])} s**") + " | - | |",
+             "| 6 | `validate` of the 70B recipe | "
+             + _row_cell(rows, "startup", lambda: f"**{_f(s['validate_70b_s'])} s**") + " | - | |"]
+    return "\n".join(lines)
+
+
+def header(results: dict) -> str:
+    meta = results["meta"]
+    m, v = meta["machine"], meta["versions"]
+    lines = ["# Benchmarks", "",
+             f"`{meta['command']}` on {meta['date']}, commit `{meta['commit']}`, {_f(meta.get('seconds'), 4)} s "
+             "in all. Every figure below comes from this one run.", ""]
+    if meta.get("quick"):
+        lines += ["> **Quick run** (`--quick`): fewer repetitions and steps than the record needs; do not quote.", ""]
+    if under_load(meta):
+        lines += [f"> **Taken under load**: load average {meta.get('load_before')} at the start and "
+                  f"{meta.get('load_after')} at the end on {m.get('cores')} cores; other processes competed "
+                  "for the CPU, so the timings (rows 1, 2, 5, 6) are not final. Rerun on an idle machine.", ""]
+    lines += ["| machine | |", "|---|---|",
+              f"| CPU | {m.get('cpu')} ({m.get('cores')} cores) |", f"| memory | {m.get('memory_gib')} GiB |",
+              f"| OS | {m.get('os')} |", f"| torch threads | {meta.get('threads') or 'default'} |",
+              "| versions | " + ", ".join(f"{k} {val}" for k, val in v.items()) + " |", ""]
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    from benchmarks import report_details as details
+
+    parts = [header(results), "## Summary", "", summary_table(results), ""]
+    parts += details.sections(results["rows"])
+    return "\n".join(parts).rstrip() + "\n"

@@ -1,0 +1,138 @@
+"""The per-row sections of RESULTS.md: what was measured, how, and every sample behind each median."""
+from __future__ import annotations
+
+from benchmarks.report import _f, status
+
+
+def _samples(xs, digits=4) -> str:
+    return ", ".join(_f(float(x), digits) for x in xs)
+
+
+def _guard(rows: dict, name: str, title: str, body) -> list[str]:
+    st = status(rows.get(name))
+    if st == "ok":
+        try:
+            return [title, "", *body(rows[name]), ""]
+        except (KeyError, TypeError, ValueError) as e:  # a row whose result lacks a figure: say so, keep going
+            return [title, "", f"Ran, but its result could not be shown ({type(e).__name__}: {e}).", ""]
+    row = rows.get(name) or {}
+    why = {"error": f"Failed: {row.get('error')}", "not available": f"Not available: {row.get('reason')}",
+           "not run": "Not run this time (`--rows`)."}[st]
+    text = [title, "", why]
+    if row.get("stderr"):
+        text += ["", "```", row["stderr"], "```"]
+    return text + [""]
+
+
+def throughput(r: dict) -> list[str]:
+    return [
+        f"finetune's loop (`finetune.train.train` on recipes/tiny_cpu.yaml, throughput read from its "
+        f"metrics.jsonl) against a plain transformers + peft + accelerate + bitsandbytes loop "
+        f"(benchmarks/baseline.py) with the same 4-bit model, LoRA, tokenized data and order, micro-batch, "
+        f"optimizer and bf16 autocast. {r['reps']} fresh runs each, alternating; per run {r['warmup_steps']} "
+        f"warm-up steps, then {r['timed_steps']} timed optimizer steps; {r.get('threads')} torch thread(s).",
+        "",
+        "| loop | trained tokens/s (median) | s per step (median) | samples (tokens/s) |", "|---|---|---|---|",
+        f"| finetune | {_f(r['finetune_tokens_per_s'], 4)} | {_f(r['finetune_s_per_step'])} | "
+        f"{_samples(r['samples']['finetune'])} |",
+        f"| plain | {_f(r['plain_tokens_per_s'], 4)} | {_f(r['plain_s_per_step'])} | "
+        f"{_samples(r['samples']['plain'])} |",
+        "", f"Ratio of medians {_f(r['throughput_ratio'])}; ratio within each back-to-back pair: "
+            f"{_samples(r['pair_ratios'], 3)}.",
+        "", "Same work on both sides: the first step's loss (LoRA B starts at zero, so it depends only on the "
+            f"model and the batch) is {_f(r['first_loss']['finetune'], 7)} for finetune and "
+            f"{_f(r['first_loss']['plain'], 7)} for the plain loop."]
+
+
+def packing(r: dict) -> list[str]:
+    keys = [k for k in r if k not in ("seconds",)]
+    return ["From benchmarks/packing.py (real QLoRA steps on the tiny model, length-skewed examples).", "",
+            "| figure | value |", "|---|---|", *[f"| {k} | {_f(r[k], 4)} |" for k in keys]]
+
+
+def merge_rss(r: dict) -> list[str]:
+    from benchmarks.merge_rss import table
+
+    return ["Each merge in a fresh interpreter, which reports its own peak RSS (VmHWM). Growth is the extra "
+            "peak RSS over the extra model bytes between the two sizes (benchmarks/merge_rss.py).", "",
+            table(r)]
+
+
+def estimate_error(r: dict) -> list[str]:
+    lines = ["`finetune estimate`'s plan against bytes measured on the tiny NF4 + LoRA model "
+             "(finetune/memcheck.py).", "", "| quantity | planned bytes | measured bytes | error |", "|---|---|---|---|"]
+    lines += [f"| {x['what']} | {x['planned']:,} | {x['measured']:,} | {100 * x['error']:.2f}% |" for x in r["rows"]]
+    return lines
+
+
+def checkpointing(r: dict) -> list[str]:
+    f = r["flops"]
+    n, lo = f["off"]["N"], f["off"]["L"]
+    ops = sorted(set(f["off"]["by_op_per_token"]) | set(f["on"]["by_op_per_token"]))
+    return [
+        f"Step time: finetune's loop on the tiny recipe with `model.gradient_checkpointing` off and on, "
+        f"{r['reps']} fresh runs each, alternating. Median s/step: off {_f(r['s_per_step']['off'])}, "
+        f"on {_f(r['s_per_step']['on'])} (x{_f(r['step_time_ratio'])}). Samples off: "
+        f"{_samples(r['samples']['off'])}; on: {_samples(r['samples']['on'])}.", "",
+        "FLOPs of one training step (forward + backward of finetune's loss), counted with "
+        "`torch.utils.flop_counter.FlopCounterMode` on the recipe's micro-batch (every position trained), "
+        "per token:", "",
+        "| checkpointing | counted | rule | counted / rule | fuller model | counted / model | "
+        + " | ".join(f"`{o}`" for o in ops) + " |",
+        "|---|---|---|---|---|---|" + "---|" * len(ops),
+        *[f"| {mode} | {_f(x['flops_per_token'], 4)} | {x['rule_name']} = {_f(float(x['rule']), 4)} | "
+          f"{_f(x['vs_rule'])} | {_f(float(x['model']), 4)} | {_f(x['vs_model'])} | "
+          + " | ".join(_f(x['by_op_per_token'].get(o, 0.0), 4) for o in ops) + " |"
+          for mode, x in (("off", f["off"]), ("on", f["on"]))],
+        "",
+        f"Why 4N and 6N: N = {n:,} weights a token meets in matmuls (every decoder linear plus the head; the "
+        "embedding is a lookup). Full fine-tuning costs 6N per token: forward 2N, backward 2N for input "
+        "gradients and 2N for weight gradients. LoRA freezes the base, so the backward computes no weight "
+        "gradient for it: 2N + 2N = **4N**. Activation checkpointing reruns each decoder layer's forward "
+        "during backward: another 2N, so **6N** (a little under, as the head is not recomputed).",
+        "",
+        f"Why the counts sit above the rules: the rules leave out the adapters and attention. The LoRA "
+        f"adapters (L = {lo:,} parameters, r = 16 on every linear: large next to a 256-wide model) cost 6L "
+        "per token (forward 2L, input and weight gradients 4L), plus 2L when recomputed; attention scores "
+        "cost 4 x seq x heads x head_dim per layer forward and twice that backward (a forward more when "
+        "recomputed). The fuller model adds these. Without checkpointing it still overshoots slightly: the "
+        "first layer's q/k/v read the frozen embedding, whose output needs no gradient, so autograd skips "
+        "those input-gradient matmuls; with checkpointing enabled transformers makes that input require "
+        "grad, and they run.",
+        "",
+        "How it was counted: bitsandbytes' 4-bit matmul is a custom op (`bitsandbytes::gemm_4bit`) that "
+        "FlopCounterMode cannot look inside, so the benchmark registers a formula for it (2 x rows x out x "
+        "in); the backward dequantizes and uses an ordinary `mm`, counted as such. Attention runs `eager` for "
+        "the count (the counter has no formula for the CPU SDPA kernel; eager computes the same full score "
+        "matrix as `bmm`). Step times above use the recipe's SDPA.",
+        "",
+        f"Counted FLOPs rise by x{_f(r['flops_ratio'])} with checkpointing; step time by "
+        f"x{_f(r['step_time_ratio'])}. On a model this small a step's time is not proportional to its FLOPs "
+        "(per-op costs such as Python dispatch and 4-bit dequantization weigh as much as the arithmetic), so "
+        "the two ratios need not agree; on a GPU-sized model step time follows the FLOPs more closely."]
+
+
+def startup(r: dict) -> list[str]:
+    s = r["samples"]
+    return ["Time to first step: `python -m finetune recipes/tiny_cpu.yaml` from launch to its `step=1` line "
+            "(imports, preflight, tokenizer, data, 4-bit model, LoRA, first optimizer step; builtin assets "
+            "already built). `validate`: wall time of `python -m finetune validate "
+            "recipes/llama3_70b_qlora.yaml` (no weights, plans from the architecture table).", "",
+            "| command | median | samples (s) |", "|---|---|---|",
+            f"| first step, tiny recipe | {_f(r['first_step_s'])} s | {_samples(s['first_step_s'], 3)} |",
+            f"| validate, 70B recipe | {_f(r['validate_70b_s'])} s | {_samples(s['validate_70b_s'], 3)} |"]
+
+
+SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
+            ("packing", "## 2. Packing", packing),
+            ("merge_rss", "## 3. Merge memory", merge_rss),
+            ("estimate_error", "## 4. Memory planner against measurement", estimate_error),
+            ("checkpointing", "## 5. Gradient checkpointing", checkpointing),
+            ("startup", "## 6. Startup", startup)]
+
+
+def sections(rows: dict) -> list[str]:
+    out = []
+    for name, title, body in SECTIONS:
+        out += _guard(rows, name, title, body)
+    return out
