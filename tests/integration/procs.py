@@ -97,17 +97,35 @@ def wait_pid(pid: int, timeout: float) -> int:
         time.sleep(0.01)
 
 
-def wait_for_first_metrics(run_dir: Path, is_running, timeout: float = 300) -> float:
-    """Block until metrics.jsonl holds a complete line (training has taken a step); monotonic time then."""
+def wait_for_first_metrics(run_dir: Path, is_running, timeout: float = 300, min_step: int = 1) -> float:
+    """Block until metrics.jsonl holds a complete record of a step >= min_step (training has taken a
+    step, or a resumed run a new one); returns the monotonic time then."""
     path = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if path.exists() and "\n" in path.read_text(errors="replace"):
-            return time.monotonic()
+        if path.exists():
+            lines = path.read_text(errors="replace").split("\n")[:-1]  # complete lines only
+            if any(json.loads(line).get("step", 0) >= min_step for line in lines if line.strip()):
+                return time.monotonic()
         if not is_running():
-            raise RuntimeError(f"the run ended before its first metrics line ({run_dir})")
+            raise RuntimeError(f"the run ended before a metrics line of step {min_step} ({run_dir})")
         time.sleep(0.005)
     raise TimeoutError(f"no metrics line in {timeout} s ({run_dir})")
+
+
+def rank_processes(launcher_pid: int) -> dict:
+    """{LOCAL_RANK: psutil.Process} of the workers a launcher (accelerate launch / torchrun) started."""
+    import psutil
+
+    out = {}
+    for child in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            env = child.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "LOCAL_RANK" in env and child.pid != launcher_pid:
+            out[int(env["LOCAL_RANK"])] = child
+    return out
 
 
 def metrics(run_dir: Path) -> list[dict]:
