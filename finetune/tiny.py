@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-VERSION = "v3"  # bump when the builder changes: a new cache directory, never a stale mix
+VERSION = "v4"  # bump when the builder changes: a new cache directory, never a stale mix
 WORDS = ("red blue green black white pink gold gray cat dog fox owl bee cow pig ant sun moon star rain "
          "snow wind tree rock lake hill road ship car bus one two six ten").split()
 CHAT_TEMPLATE = (

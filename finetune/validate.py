@@ -156,8 +156,21 @@ def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, c
         out.append(Problem(level="error", path="fsdp.cpu_ram_efficient_loading" if phase == "loading" else
                            "fsdp.cpu_offload", message=f"planned {E.fmt(plan.cpu_bytes_peak)} of CPU RAM while {phase} "
                            f"does not fit in {E.fmt(cpu_memory)}",
-                           fix="turn on fsdp.cpu_ram_efficient_loading and model.low_cpu_mem_usage, or add RAM/swap"))
+                           fix=_cpu_fix(r, phase)))
     return out
+
+
+def _cpu_fix(recipe: Recipe, phase: str) -> str:
+    """Only suggest switches that are still off; otherwise the machine needs more memory."""
+    off = []
+    if phase == "loading":
+        if not recipe.fsdp.cpu_ram_efficient_loading and recipe.distributed.strategy == "fsdp":
+            off.append("fsdp.cpu_ram_efficient_loading: true")
+        if not recipe.model.low_cpu_mem_usage:
+            off.append("model.low_cpu_mem_usage: true")
+    elif recipe.fsdp.cpu_offload:
+        off.append("fsdp.cpu_offload: false (if the GPUs can hold the shards)")
+    return ("set " + " and ".join(off) + ", or add RAM/swap") if off else "use machines with more RAM (or add swap)"
 
 
 def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = None, *, env=None,
