@@ -114,11 +114,17 @@ def trial(k: int, tmp_path, delay: float, reference: dict, ref_losses: list, out
 
 
 def run_lanes(trials, lanes: int = 2):
-    """Round-robin over generator trials, `lanes` at a time."""
-    pending, active = list(trials), []
-    while pending or active:
-        while pending and len(active) < lanes:
-            active.append(pending.pop(0))
+    """Round-robin over generator trials, `lanes` at a time. `trials` is an iterable, pulled lazily: it
+    can decide whether to start another trial from the results so far."""
+    source, active = iter(trials), []
+    while True:
+        while len(active) < lanes:
+            nxt = next(source, None)
+            if nxt is None:
+                break
+            active.append(nxt)
+        if not active:
+            return
         for g in list(active):
             try:
                 next(g)
@@ -152,17 +158,24 @@ def test_sigkill_at_random_moments_then_resume(tmp_path):
     run_lanes([uninterrupted("ref", tmp_path, refs), uninterrupted("ref2", tmp_path, refs)])
     reference, ref_losses = refs["ref"]["adapter"], refs["ref"]["losses"]
     assert len(ref_losses) == STEPS and rel_diff(refs["ref2"]["adapter"], reference) <= 1e-6
-    span = max(r["span"] for r in refs.values())
+    span = min(r["span"] for r in refs.values())
 
     rng = random.Random(SEED)
-    delays = [rng.uniform(0.0, 0.95 * span) for _ in range(TRIALS)]
     out: dict = {}
-    run_lanes(trial(k, tmp_path, delays[k], reference, ref_losses, out) for k in range(TRIALS))
-    assert sorted(out) == list(range(TRIALS))
+
+    def trials():
+        # Until TRIALS runs were really killed: under load a run can now and then end before its kill moment
+        # (it is still checked, as a re-run of a finished run). Bounded, so a broken kill cannot loop.
+        k = 0
+        while sum(r["killed"] for r in out.values()) < TRIALS and k < TRIALS + 10:
+            yield trial(k, tmp_path, rng.uniform(0.0, 0.9 * span), reference, ref_losses, out)
+            k += 1
+
+    run_lanes(trials())
     killed = sum(r["killed"] for r in out.values())
-    resumed_from = [out[k]["resumed_from"] for k in range(TRIALS)]
-    # The kills landed across the run: most trials really were killed, and resumed from different places.
-    assert killed >= TRIALS - 2, killed
+    resumed_from = [out[k]["resumed_from"] for k in sorted(out)]
+    # The kills landed across the run: TRIALS really were killed, resuming from different places.
+    assert killed >= TRIALS, (killed, len(out))
     assert len(set(resumed_from)) >= 4, resumed_from
-    print(f"\ncrash safety: {killed}/{TRIALS} killed, resumed from steps {resumed_from}, window {span:.2f} s, "
+    print(f"\ncrash safety: {killed}/{len(out)} killed, resumed from steps {resumed_from}, window {span:.2f} s, "
           f"largest relative adapter difference {max(r['diff'] for r in out.values()):.1e}")
