@@ -189,6 +189,11 @@ class TrainSpec(_Section):
     """Adam's denominator term, for numerical stability."""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     """Autocast dtype of the forward pass. Master weights and buffers stay in their stored dtype."""
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v):
+        return "no" if v is False else v  # YAML 1.1 reads a bare `no` as false
     log_every: int = Field(10, ge=1)
     """Write a metrics line every this many optimizer steps."""
     eval_every: int | None = Field(None, ge=1)

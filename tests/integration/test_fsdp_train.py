@@ -36,48 +36,75 @@ def losses(run_dir):
     return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
+# fp32 compute, 32-bit Adam state and a large epsilon (updates linear in the gradient): what is left between
+# 1 and 2 processes is summation order. The default (bf16 autocast, 8-bit state quantised in blocks that
+# follow each rank's shard) adds rounding that Adam's near-sign early updates amplify in a few elements.
+STRICT = ["train.mixed_precision=no", "quantization.compute_dtype=float32", "train.optimizer=adamw_torch",
+          "train.adam_epsilon=1.0"]
+
+
+def single_run(tmp_path_factory, extra):
     """1 process, micro-batch 16 = the global batch of 2 processes x 8."""
     out = tmp_path_factory.mktemp("single") / "run"
     p = run_cli([str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), "distributed.strategy=single",
-                 "distributed.num_processes=1", "train.micro_batch_size=16", f"output.dir={out}", *COMMON],
+                 "distributed.num_processes=1", "train.micro_batch_size=16", f"output.dir={out}", *COMMON, *extra],
                 env={"OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     return out
 
 
+@pytest.fixture(scope="module")
+def single_strict(tmp_path_factory):
+    return single_run(tmp_path_factory, STRICT)
+
+
+@pytest.fixture(scope="module")
+def single_default(tmp_path_factory):
+    return single_run(tmp_path_factory, [])
+
+
+def rel_diff(a, b):
+    return float((a - b).norm() / b.norm())
+
+
 @pytest.mark.parametrize("version", [2, 1])
-def test_fsdp_matches_one_process_and_resumes_exactly(tmp_path, single, version):
+def test_fsdp_matches_one_process(tmp_path, single_strict, version):
     run = tmp_path / "fsdp"
-    log = launch(run, version)
+    log = launch(run, version, STRICT)
     # The run really was sharded, through the same code a GPU run executes.
     assert f"fsdp: FSDP{version} over gloo, 2 processes" in log
-    ref, got = losses(single), losses(run)
+    ref, got = losses(single_strict), losses(run)
     assert len(got) == len(ref) == STEPS
     assert got == pytest.approx(ref, abs=1e-2)
-
-    a_ref = load_file(str(single / "adapter" / "adapter_model.safetensors"))
+    a_ref = load_file(str(single_strict / "adapter" / "adapter_model.safetensors"))
     a_fsdp = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     assert a_ref.keys() == a_fsdp.keys() and len(a_ref) == 4 * 7 * 2
     for k in a_ref:
         assert a_fsdp[k].shape == a_ref[k].shape  # gathered to full shapes, not one rank's shard
-        torch.testing.assert_close(a_fsdp[k], a_ref[k], rtol=1e-2, atol=1e-3)
+        torch.testing.assert_close(a_fsdp[k], a_ref[k], rtol=1e-2, atol=1e-4)
 
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_fsdp_8bit_trains_like_one_process_and_resumes_exactly(tmp_path, single_default, version):
+    run = tmp_path / "fsdp"
+    launch(run, version)
+    assert losses(run) == pytest.approx(losses(single_default), rel=1e-2)
+    full = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     # Crash after the step-10 checkpoint: drop what came later, re-run the same command, which resumes.
-    full = {k: v.clone() for k, v in a_fsdp.items()}
     shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")
     shutil.rmtree(run / "adapter")
     log = launch(run, version)
     assert f"resume: from {run / 'checkpoints' / f'step-{SAVE}'}" in log
     resumed = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     for k in full:
-        rel = (resumed[k] - full[k]).norm() / full[k].norm()
-        assert rel <= 1e-3, (k, float(rel))
-    # 8-bit optimizer state was checkpointed per rank, as uint8 for the large LoRA tensors.
-    opt = torch.load(run / "checkpoints" / f"step-{STEPS}" / "optimizer-rank0.pt", weights_only=True)
-    dtypes = {v.dtype for s in opt["state"].values() for v in s.values() if torch.is_tensor(v)}
-    assert torch.uint8 in dtypes
+        assert rel_diff(resumed[k], full[k]) <= 1e-3, k
+    # The 8-bit optimizer state was checkpointed per rank, as uint8 for the large LoRA tensors.
+    for rank in (0, 1):
+        opt = torch.load(run / "checkpoints" / f"step-{STEPS}" / f"optimizer-rank{rank}.pt", weights_only=True)
+        # bitsandbytes nests its tensors (state1/state2, absmax, qmap) under one key per parameter.
+        dtypes = {v.dtype for st in opt["state"].values()
+                  for v in st.get("__bnb_optimizer_quant_state__", st).values() if torch.is_tensor(v)}
+        assert torch.uint8 in dtypes
 
 
 def test_fsdp_adapter_loads_in_plain_peft(tmp_path):
