@@ -1,19 +1,25 @@
 """Checkpoints: adapter + optimizer + scheduler + RNG + data position, never the frozen base.
 
 A checkpoint is written under a temporary name and renamed once every rank has finished, so a visible
-`checkpoints/step-N/` is always complete. The adapter inside is in PEFT format, full shapes (gathered).
-Each rank writes its own optimizer and RNG state (sharded under FSDP).
+`checkpoints/step-N/` is always complete: its manifest (written last) lists every file with its size, and
+resuming takes the newest checkpoint whose files match it. Old checkpoints are renamed away before they
+are deleted, so a crash mid-delete never leaves a visible, partial one. The adapter inside is in PEFT
+format, full shapes (gathered). Each rank writes its own optimizer and RNG state (sharded under FSDP).
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_bytes
+
+from .diskcheck import explain
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "trainer_state.json"
@@ -28,15 +34,78 @@ def _fsync_dir(path: Path):
         pass
 
 
+def _write_bytes(path: Path, data: bytes):
+    """Plain Python I/O, so a failed write raises OSError with its errno (disk full, quota, ...). torch.save
+    and safetensors' save_file, writing themselves, report the same failure as a RuntimeError or a
+    SafetensorError whose only trace of the cause is in the message."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch_save(obj, path: Path):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    _write_bytes(path, buf.getbuffer())
+
+
 def write_adapter(out: Path, peft_config, state: dict):
     """PEFT format from a full (gathered) adapter state dict: loads with PeftModel.from_pretrained."""
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in state.items()}, str(out / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
+    _write_bytes(out / "adapter_model.safetensors", safetensors_bytes(tensors, metadata={"format": "pt"}))
     peft_config.save_pretrained(str(out))
 
 
+def publish_dir(final: Path, build) -> Path:
+    """Write a directory atomically: `build(tmp)` fills a hidden sibling, which then replaces `final`.
+    A crash or a failed write leaves the old `final` (or none), never a half-written one."""
+    tmp = final.parent / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        build(tmp)
+        _fsync_tree(tmp)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise explain(e, f"writing {final.name}", final) from e
+    _replace_dir(tmp, final)
+    return final
+
+
+def _fsync_tree(path: Path):
+    """Flush every file's data before the rename that publishes it: after a power loss a renamed
+    directory must not hold empty or truncated files."""
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def _replace_dir(tmp: Path, final: Path):
+    if final.exists():
+        # Renaming away first (atomic), then deleting: a crash mid-delete leaves a hidden .del-* directory
+        # (cleaned later), never a visible checkpoint with some files gone.
+        trash = final.parent / f".del-{final.name}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _delete_dir(path: Path):
+    trash = path.parent / f".del-{path.name}"
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every visible checkpoint with a manifest, oldest first (not yet verified)."""
     if not root.is_dir():
         return []
     found = []
@@ -47,49 +116,95 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest(root: Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
+def _notice(msg: str):
+    if os.environ.get("RANK", "0") == "0":
+        print(msg, file=sys.stderr, flush=True)
+
+
+def latest(root: Path, notice=_notice) -> Path | None:
+    """The newest checkpoint that passes `problems()`. A newer one that fails (a disk that lost data
+    after the rename, a manifest edited by hand) is skipped with a notice, not resumed from."""
+    for _, path in reversed(list_checkpoints(root)):
+        why = problems(path)
+        if not why:
+            return path
+        if notice:
+            notice(f"resume: skipping {path}: {why}")
+    return None
 
 
 def save(root: Path, step: int, *, rank: int, world: int, barrier, adapter: tuple | None, optimizer, scheduler,
          data_state: dict, keep: int) -> Path:
-    """Collective: every rank calls it. `adapter` is (peft_config, full_state) on rank 0, None elsewhere."""
+    """Collective: every rank calls it. `adapter` is (peft_config, full_state) on rank 0, None elsewhere.
+
+    A failed write (disk full, quota) raises OutputWriteError on that rank; the .tmp-* directory is
+    never renamed, so no visible step-N is partial."""
     final = root / f"step-{step}"
     tmp = root / f".tmp-step-{step}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    torch.save(optimizer.state_dict(), tmp / f"optimizer-rank{rank}.pt")
-    torch.save({"torch": torch.get_rng_state()}, tmp / f"rng-rank{rank}.pt")
-    if rank == 0:
-        write_adapter(tmp / "adapter", *adapter)
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    barrier()
-    if rank == 0:
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
-        # The manifest is written last, then the directory is renamed: a crash before the rename leaves only
-        # a .tmp-* directory, which is ignored and cleaned; a visible step-N always has everything.
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "world_size": world, "data": data_state,
-                                                "files": files}, indent=1))
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(root)
-        for _, old in list_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        _torch_save(optimizer.state_dict(), tmp / f"optimizer-rank{rank}.pt")
+        _torch_save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+        if rank == 0:
+            write_adapter(tmp / "adapter", *adapter)
+            _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
+        barrier()
+        if rank == 0:
+            _fsync_tree(tmp)
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            # The manifest is written last, then the directory is renamed: a crash before the rename leaves
+            # only a .tmp-* directory, which is ignored and cleaned; a visible step-N always has everything,
+            # and the sizes let `problems()` notice files that lost data anyway (a disk lying about fsync).
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump({"step": step, "world_size": world, "data": data_state, "files": files}, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _replace_dir(tmp, final)
+            for _, old in list_checkpoints(root)[:-keep]:
+                _delete_dir(old)
+    except OSError as e:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise explain(e, f"writing checkpoint step-{step}", root) from e
     barrier()
     return final
 
 
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def problems(path: Path) -> str | None:
+    """Why `path` is not a complete checkpoint, or None: the manifest must parse and every file it lists
+    must be there with the size it had when written."""
+    try:
+        state = json.loads((path / MANIFEST).read_text())
+        files = state["files"]
+        state["step"], state["world_size"], state["data"]["cursor"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"unreadable manifest ({type(e).__name__})"
+    sizes = files if isinstance(files, dict) else {f: None for f in files}  # early manifests: names only
+    for name, size in sizes.items():
+        p = path / name
+        if not p.is_file():
+            return f"missing {name}"
+        if size is not None and p.stat().st_size != size:
+            return f"{name} has {p.stat().st_size} bytes, the manifest says {size}"
+    return None
+
+
 def verify(path: Path, world: int) -> dict:
-    """Read the manifest and check every listed file is there and the world size matches."""
+    """The manifest of a complete checkpoint written by `world` processes; RuntimeError otherwise."""
+    why = problems(path)
+    if why:
+        raise RuntimeError(f"checkpoint {path} is incomplete: {why}")
     state = json.loads((path / MANIFEST).read_text())
-    missing = [f for f in state["files"] if not (path / f).exists()]
-    if missing:
-        raise RuntimeError(f"checkpoint {path} is incomplete: missing {missing[:3]}")
     if state["world_size"] != world:
         raise RuntimeError(f"checkpoint {path} was written by {state['world_size']} processes, this run has "
                            f"{world}; optimizer state is sharded per rank")
@@ -99,11 +214,14 @@ def verify(path: Path, world: int) -> dict:
 def load_training_state(path: Path, rank: int, optimizer, scheduler):
     optimizer.load_state_dict(torch.load(path / f"optimizer-rank{rank}.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    torch.set_rng_state(torch.load(path / f"rng-rank{rank}.pt", weights_only=True)["torch"])
+    rng = torch.load(path / f"rng-rank{rank}.pt", weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def clean_partial(root: Path):
-    """Remove leftovers of a checkpoint write that was interrupted."""
+    """Remove leftovers of an interrupted checkpoint write (.tmp-*) or delete (.del-*)."""
     if root.is_dir():
-        for p in root.glob(".tmp-step-*"):
+        for p in [*root.glob(".tmp-step-*"), *root.glob(".del-step-*")]:
             shutil.rmtree(p, ignore_errors=True)

@@ -10,6 +10,8 @@ import os
 import sys
 from pathlib import Path
 
+from . import redact
+from .diskcheck import OutputWriteError
 from .recipe import RecipeError
 
 USAGE = """usage: finetune RECIPE [key=value ...]          train (also: accelerate launch -m finetune RECIPE)
@@ -74,6 +76,7 @@ def run_module(main_fn) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    redact.install()  # secrets (HF_TOKEN, *_KEY, ...) never reach the logs, whatever prints them
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0 if argv else 2
@@ -94,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:
         print(e.render(), file=sys.stderr)
         return 2
+    except OutputWriteError as e:  # disk full or unwritable mid-run: the message says what was kept
+        print(f"error: {e.strerror}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -26,6 +26,10 @@ def load_run(run_dir: Path):
     if not (run_dir / "recipe.yaml").exists() or not (adapter / "adapter_config.json").exists():
         raise RecipeError([f"{run_dir}: not a finished run dir (needs recipe.yaml and adapter/)"])
     recipe = read_recipe(run_dir)
+    if not (adapter / "adapter_model.safetensors").exists() and not recipe.model.allow_pickle:
+        # PEFT would fall back to adapter_model.bin: a pickle, which can run code when loaded.
+        raise RecipeError([f"{adapter}: no adapter_model.safetensors (pickle adapters are refused); convert it, "
+                           "or set model.allow_pickle: true in its recipe.yaml"])
     tok = load_tokenizer(recipe.model, path=str(adapter))
     base = load_model(recipe.model, recipe.quantization, notice=lambda *_: None)
     model = PeftModel.from_pretrained(base, str(adapter))

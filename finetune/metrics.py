@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+from .diskcheck import explain
 from .distributed import is_main, print0
+from .redact import redact
 
 
 class Metrics:
@@ -14,6 +17,8 @@ class Metrics:
         self.main = is_main()
         self.path = Path(run_dir) / "metrics.jsonl"
         self.bar = None
+        if self.main:
+            trim(self.path, start_step)
         if self.main and progress_bar and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
@@ -31,8 +36,11 @@ class Metrics:
         if not self.main:
             return
         record = {"step": step, "time": round(time.perf_counter() - self.t0, 3), **values}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(redact(json.dumps(record)) + "\n")
+        except OSError as e:
+            raise explain(e, "writing metrics", self.path) from e
         line = " ".join(f"{k}={_fmt(v)}" for k, v in record.items())
         if self.bar is not None:
             self.bar.write(line)
@@ -42,6 +50,25 @@ class Metrics:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def trim(path: Path, start_step: int):
+    """Keep only the records of steps up to `start_step` (where training starts or resumes): the steps
+    after it are about to run again, and a process killed mid-write may have left a torn last line.
+    Rewritten atomically, so a crash here loses nothing."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start_step:
+            keep.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
 
 
 def _fmt(v):

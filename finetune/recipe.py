@@ -541,7 +541,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise RecipeError([f"override '{text}': empty key"])
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):  # not YAML (or nested past the parser's limit): a plain string
         value = raw
     return key.split("."), value
 
@@ -586,6 +586,8 @@ def read_yaml(path: str | os.PathLike) -> dict:
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         reason = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise RecipeError([f"{where}invalid YAML: {reason}"], str(p)) from None
+    except RecursionError:  # PyYAML parses recursively: thousands of nested brackets exhaust the stack
+        raise RecipeError(["invalid YAML: nested too deeply"], str(p)) from None
     if data is None:
         raise RecipeError(["the file is empty; a recipe needs at least one section, e.g. `model:`"], str(p))
     if not isinstance(data, dict):

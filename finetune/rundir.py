@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from .recipe import Recipe, load
+from .redact import redact_obj
 
 LIBRARIES = ("finetune", "torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "trl")
 
@@ -27,7 +28,7 @@ def write_recipe(run_dir: Path, recipe: Recipe):
     Versions go in a comment header so the file still loads as a recipe."""
     run_dir.mkdir(parents=True, exist_ok=True)
     header = "# resolved recipe written by finetune\n" + "".join(f"# {k}=={v}\n" for k, v in versions().items())
-    body = yaml.safe_dump(recipe.to_yaml_dict(), sort_keys=False)
+    body = yaml.safe_dump(redact_obj(recipe.to_yaml_dict()), sort_keys=False)  # a pasted token stays out
     tmp = run_dir / ".recipe.yaml.tmp"
     tmp.write_text(header + body)
     os.replace(tmp, run_dir / "recipe.yaml")

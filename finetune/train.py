@@ -212,10 +212,13 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
             tokens_seen, t_log = 0, time.perf_counter()
         if t.eval_every and step % t.eval_every == 0 and eval_batches:
             metrics.log(step, eval_loss=round(evaluate(model, eval_batches, acc, t, recipe.eval.max_batches), 6))
-        if (t.save_every and step % t.save_every == 0) or step == total_steps:
+        saved = (t.save_every and step % t.save_every == 0) or step == total_steps
+        if saved:
             save_checkpoint(acc, model, optimizer, scheduler, ckpt_root, step, epoch, cursor, t.keep_checkpoints)
-        elif stop.requested(acc):
-            save_checkpoint(acc, model, optimizer, scheduler, ckpt_root, step, epoch, cursor, t.keep_checkpoints)
+        # Checked after a scheduled save too: with save_every 1 every step saves, and a stop must still stop.
+        if step < total_steps and stop.requested(acc):
+            if not saved:
+                save_checkpoint(acc, model, optimizer, scheduler, ckpt_root, step, epoch, cursor, t.keep_checkpoints)
             print0(f"stopped by signal {stop.signum}: wrote checkpoints/step-{step}; re-run the same command to "
                    "resume")
             metrics.close()
@@ -276,7 +279,10 @@ def export_adapter(acc, model, tok, run_dir: Path):
     """RUN_DIR/adapter: PEFT format, full shapes, with the tokenizer beside it."""
     state = adapter_state(acc, model)
     if acc.is_main_process:
-        out = run_dir / "adapter"
         cfg = acc.unwrap_model(model).peft_config["default"]
-        checkpoint.write_adapter(out, cfg, state)
-        tok.save_pretrained(str(out))
+
+        def build(out: Path):
+            checkpoint.write_adapter(out, cfg, state)
+            tok.save_pretrained(str(out))
+
+        checkpoint.publish_dir(run_dir / "adapter", build)  # atomic: a crash never leaves half an adapter

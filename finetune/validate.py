@@ -3,7 +3,8 @@
 Pure rules (settings that contradict each other) live in `recipe.contract_problems`. This module adds what
 depends on the world outside the recipe: the model's shapes (config.json or the built-in table), the
 launcher's environment, whether flash-attn and GPUs are there, and whether the plan fits in memory.
-Training calls `preflight` with the same rules before it loads weights.
+Training calls `preflight` with the same rules before it loads weights; it also checks that the output
+directory can be written and its disk holds the checkpoints the recipe keeps (finetune.diskcheck).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 from dataclasses import replace
 
 from finetune import estimate as E
+from finetune.diskcheck import output_problems
 from finetune.launcher import launcher_problems
 from finetune.recipe import Problem, Recipe, RecipeError, contract_problems, load
 
@@ -56,6 +58,30 @@ def model_problems(r: Recipe) -> tuple[list[Problem], object]:
                                message=f"{', '.join(missing)} not in a {arch.model_type} layer (it has "
                                        f"{', '.join(sorted(names))})", fix="use those names, or all-linear"))
     return out, arch
+
+
+def code_problems(r: Recipe) -> list[Problem]:
+    """A model whose config maps to its own Python code (`auto_map`) runs that code when loaded: only
+    with model.trust_remote_code. Pickle-only weights are refused at load time (model.allow_pickle)."""
+    from finetune.archs import find_config
+
+    try:
+        cfg, where = find_config(r.model.name)
+    except (ValueError, OSError):
+        return []
+    if not cfg or not cfg.get("auto_map") or r.model.trust_remote_code:
+        return []
+    # Imported only here (seconds): a model that ships code is rare.
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    code = ", ".join(sorted(map(str, cfg["auto_map"])))
+    if cfg.get("model_type") in CONFIG_MAPPING_NAMES:
+        return [Problem(level="warning", path="model.trust_remote_code",
+                        message=f"{where} ships its own Python code ({code}); it is not run: transformers' built-in "
+                                f"{cfg['model_type']} implementation is used", fix="nothing, unless you need that code")]
+    return [Problem(level="error", path="model.trust_remote_code",
+                    message=f"{where} needs the model's own Python code ({code}), which would run on load",
+                    fix="read that code, then set model.trust_remote_code: true if you trust it")]
 
 
 def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
@@ -157,6 +183,7 @@ def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = 
     out = list(contract_problems(recipe))
     found, arch = model_problems(recipe)
     out += found
+    out += code_problems(recipe)
     out += environment_problems(recipe, env, launched)
     if launched and gpus is None and env.get("WORLD_SIZE"):
         gpus = int(env["WORLD_SIZE"])
@@ -164,6 +191,8 @@ def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = 
         gpu_memory = _cuda()[2]
     if arch is not None:
         out += memory_problems(recipe, arch, gpus, gpu_memory, cpu_memory)
+    # Unwritable output or too little disk for the checkpoints: found now, not at the first save hours in.
+    out += output_problems(recipe, arch, gpus or recipe.distributed.num_processes or 1)
     return sorted(out, key=lambda p: p.level != "error")
 
 

@@ -1,0 +1,90 @@
+"""Two processes (FSDP2 over gloo, launched as users launch it): preemption and a dying rank.
+
+- SIGTERM to every rank (what SLURM sends the tasks on preemption): each finishes its step, they write
+  one checkpoint together, each exits 0, and so does the launcher, within 60 s.
+- Re-running resumes from it; Ctrl-C (SIGINT to the launcher and the ranks, as a terminal sends it) then
+  stops the resumed run the same way, at a later step.
+- SIGKILL of one rank: the job exits non-zero within the documented bound (docs/robustness.md) and no
+  process is left behind; the checkpoints on disk stay complete.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from finetune import checkpoint as C
+
+from .procs import ROOT, metrics, rank_processes, spawn_cli, wait_for_first_metrics
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+LAUNCHER = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "cpu_fsdp.yaml"),
+            "--num_processes", "2", "-m", "finetune"]
+ARGS = ["recipes/tiny_cpu_fsdp.yaml", "train.max_steps=200", "train.log_every=1", "train.warmup_steps=2",
+        "train.save_every=100", "data.max_samples=400", "output.progress_bar=false", "eval.max_batches=1"]
+DYING_RANK_BOUND = 45  # s: torchrun's monitor (0.1 s) + its 30 s grace before SIGKILL, plus slack for a busy CI
+
+
+def launch(run, log):
+    return spawn_cli(ARGS + [f"output.dir={run}"], log, env={"OMP_NUM_THREADS": "1"}, launcher=LAUNCHER)
+
+
+def newest_step(run) -> int:
+    path = C.latest(run / "checkpoints", notice=None)
+    assert path is not None and C.verify(path, 2)  # written by both ranks (one optimizer shard each)
+    assert {"optimizer-rank0.pt", "optimizer-rank1.pt"} <= {p.name for p in path.iterdir()}
+    return int(path.name.split("-")[1])
+
+
+def test_preemption_resume_and_a_dying_rank(tmp_path):
+    run = tmp_path / "run"
+
+    # 1. SIGTERM to every rank.
+    proc = launch(run, tmp_path / "a.log")
+    wait_for_first_metrics(run, lambda: proc.poll() is None, timeout=600)
+    ranks = rank_processes(proc.pid)
+    assert sorted(ranks) == [0, 1]
+    t0 = time.monotonic()
+    for r in ranks.values():
+        r.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=120)
+    text = (tmp_path / "a.log").read_text()
+    assert code == 0 and time.monotonic() - t0 < 60, text[-3000:]
+    first = newest_step(run)
+    assert f"stopped by signal 15: wrote checkpoints/step-{first}" in text
+    assert max(m["step"] for m in metrics(run)) == first
+
+    # 2. The same command resumes; Ctrl-C to the whole process group stops it at a later step.
+    proc = launch(run, tmp_path / "b.log")
+    wait_for_first_metrics(run, lambda: proc.poll() is None, timeout=600, min_step=first + 1)
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=120)
+    text = (tmp_path / "b.log").read_text()
+    assert time.monotonic() - t0 < 60
+    assert f"resume: from {run / 'checkpoints' / f'step-{first}'} (step {first})" in text
+    second = newest_step(run)
+    assert second > first and f"stopped by signal 2: wrote checkpoints/step-{second}" in text, text[-3000:]
+    assert "failed (exitcode" not in text  # no rank failed: each wrote its shard and returned 0
+    # (The launcher itself was signalled too: torchrun then re-raises the signal, exit 1; docs/robustness.md.)
+
+    # 3. SIGKILL one rank: the job ends non-zero within the bound; nothing hangs or stays behind.
+    proc = launch(run, tmp_path / "c.log")
+    wait_for_first_metrics(run, lambda: proc.poll() is None, timeout=600, min_step=second + 1)
+    ranks = rank_processes(proc.pid)
+    t0 = time.monotonic()
+    ranks[1].kill()
+    code = proc.wait(timeout=DYING_RANK_BOUND + 60)
+    elapsed = time.monotonic() - t0
+    text = (tmp_path / "c.log").read_text()
+    assert code != 0 and elapsed < DYING_RANK_BOUND, (code, elapsed, text[-3000:])
+    assert "ChildFailedError" in text
+    for r in ranks.values():
+        assert not r.is_running() or r.status() == "zombie", r
+    for _, path in C.list_checkpoints(run / "checkpoints"):
+        assert C.problems(path) is None
+    print(f"\ndying rank: launcher exited {code} after {elapsed:.1f} s")

@@ -1,0 +1,81 @@
+"""Preemption: SIGTERM (a scheduler) or SIGINT (Ctrl-C) finishes the current step, writes a checkpoint and
+exits 0 within 60 s; running the same command again resumes there and ends where an uninterrupted run
+ends. One process here; two processes in test_distributed_faults.py."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from finetune import checkpoint as C
+
+from .procs import alive, fork_cli, metrics, spawn_cli, wait_for_first_metrics, wait_pid
+from .test_crash_safety import rel_diff, warm
+
+pytestmark = pytest.mark.slow
+
+STEPS = 16
+BASE = ["recipes/tiny_cpu.yaml", f"train.max_steps={STEPS}", "train.warmup_steps=2", "train.micro_batch_size=4",
+        "train.log_every=1", "eval.max_batches=1", "output.progress_bar=false", "data.eval_sources=[]",
+        "data.sources=[{path: 'builtin:tiny-instruct', max_samples: 96}]"]
+
+
+def stopped_step(log_text: str) -> int:
+    line = next(ln for ln in log_text.splitlines() if ln.startswith("stopped by signal"))
+    return int(line.split("checkpoints/step-")[1].split(";")[0])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run, as a forked CLI with one torch thread like every run it is compared with."""
+    warm()
+    tmp = tmp_path_factory.mktemp("ref")
+    pid = fork_cli(BASE + [f"output.dir={tmp / 'run'}", "train.save_every=8"], tmp / "log")
+    assert wait_pid(pid, 300) == 0, (tmp / "log").read_text()[-3000:]
+    return load_file(str(tmp / "run" / "adapter" / "adapter_model.safetensors"))
+
+
+def check_stop_and_resume(run, log, code, elapsed, signum, reference, extra):
+    text = log.read_text()
+    assert code == 0, text[-3000:]
+    assert elapsed < 60, elapsed
+    step = stopped_step(text)
+    assert f"stopped by signal {signum}" in text and 0 < step < STEPS, text[-2000:]
+    assert C.latest(run / "checkpoints") == run / "checkpoints" / f"step-{step}"
+    assert C.verify(run / "checkpoints" / f"step-{step}", 1)["step"] == step
+    assert not (run / "adapter").exists()  # stopped early: no final adapter yet
+    assert max(m["step"] for m in metrics(run)) == step
+    rerun_log = log.with_suffix(".rerun")
+    pid = fork_cli(BASE + [f"output.dir={run}", *extra], rerun_log)
+    assert wait_pid(pid, 300) == 0, rerun_log.read_text()[-3000:]
+    assert f"resume: from {run / 'checkpoints' / f'step-{step}'} (step {step})" in rerun_log.read_text()
+    got = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert rel_diff(got, reference) <= 1e-4
+    assert [m["step"] for m in metrics(run) if "loss" in m] == list(range(1, STEPS + 1))
+
+
+def test_sigterm_in_a_fresh_interpreter(tmp_path, reference):
+    """`python -m finetune ...` as a scheduler starts it; SIGTERM after training is under way."""
+    run, log = tmp_path / "run", tmp_path / "log"
+    extra = ["train.save_every=8"]
+    proc = spawn_cli(BASE[:] + [f"output.dir={run}", *extra], log, env={"OMP_NUM_THREADS": "1"})
+    wait_for_first_metrics(run, lambda: proc.poll() is None, timeout=300)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=90)
+    check_stop_and_resume(run, log, code, time.monotonic() - t0, int(signal.SIGTERM), reference, extra)
+
+
+def test_sigint_with_a_checkpoint_every_step(tmp_path, reference):
+    """Ctrl-C while every step also writes its scheduled checkpoint: the stop must still happen."""
+    run, log = tmp_path / "run", tmp_path / "log"
+    extra = ["train.save_every=1"]
+    pid = fork_cli(BASE + [f"output.dir={run}", *extra], log)
+    wait_for_first_metrics(run, lambda: alive(pid))
+    t0 = time.monotonic()
+    os.kill(pid, signal.SIGINT)
+    code = wait_pid(pid, 90)
+    check_stop_and_resume(run, log, code, time.monotonic() - t0, int(signal.SIGINT), reference, extra)

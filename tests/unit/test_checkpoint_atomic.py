@@ -1,0 +1,181 @@
+"""Checkpoints stay trustworthy when the process dies or the disk fails mid-write.
+
+The real `checkpoint.save` runs in forked children that are SIGKILLed at random moments or that hit a
+real write failure (RLIMIT_FSIZE: the kernel refuses writes past a size, as a full disk refuses them).
+No model is involved: a small torch optimizer and a real PEFT LoraConfig stand in for the training state.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from finetune import checkpoint as C
+
+
+def training_state(seed: int = 0):
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(64, 256)) for _ in range(4)]
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    adapter = {f"base_model.model.layers.{i}.q_proj.lora_A.weight": p.detach().clone() for i, p in enumerate(params)}
+    return opt, sched, (LoraConfig(r=64, target_modules=["q_proj"]), adapter)
+
+
+def save(root: Path, step: int, keep: int = 2, state=None):
+    opt, sched, adapter = state or training_state()
+    return C.save(root, step, rank=0, world=1, barrier=lambda: None, adapter=adapter, optimizer=opt,
+                  scheduler=sched, data_state={"epoch": 0, "cursor": step}, keep=keep)
+
+
+def assert_every_visible_checkpoint_loads(root: Path):
+    """What resuming does: verify, then load optimizer/scheduler/RNG state and the adapter."""
+    from safetensors.torch import load_file
+
+    for _, path in C.list_checkpoints(root):
+        state = C.verify(path, 1)
+        opt, sched, _ = training_state(1)
+        C.load_training_state(path, 0, opt, sched)
+        assert load_file(str(path / "adapter" / "adapter_model.safetensors"))
+        assert state["data"]["cursor"] == state["step"]
+
+
+def test_keep_prunes_and_latest_is_newest(tmp_path):
+    for step in (1, 2, 3):
+        save(tmp_path, step)
+    assert [s for s, _ in C.list_checkpoints(tmp_path)] == [2, 3]
+    assert C.latest(tmp_path) == tmp_path / "step-3"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]  # no .tmp-/.del- leftovers
+    manifest = json.loads((tmp_path / "step-3" / C.MANIFEST).read_text())
+    assert manifest["files"]["optimizer-rank0.pt"] == (tmp_path / "step-3" / "optimizer-rank0.pt").stat().st_size
+    assert_every_visible_checkpoint_loads(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "manifest"])
+def test_a_damaged_newest_checkpoint_is_skipped(tmp_path, damage):
+    """A disk that lost data after the rename (or a hand edit): resume falls back to the previous one."""
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    newest = tmp_path / "step-2"
+    if damage == "truncate":
+        with open(newest / "adapter" / "adapter_model.safetensors", "r+b") as f:
+            f.truncate(100)
+    elif damage == "delete":
+        (newest / "scheduler.pt").unlink()
+    else:
+        (newest / C.MANIFEST).write_text('{"step": 2, "files"')
+    notices = []
+    assert C.latest(tmp_path, notice=notices.append) == tmp_path / "step-1"
+    assert len(notices) == 1 and "step-2" in notices[0]
+    with pytest.raises(RuntimeError, match="incomplete"):
+        C.verify(newest, 1)
+
+
+def _in_child(fn) -> dict:
+    """Run fn() in a forked child; its result (or exception) comes back as JSON."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        try:
+            out = {"ok": fn()}
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
+            out = {"error": type(e).__name__, "message": str(e)}
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(data)
+
+
+@pytest.mark.parametrize("limit", [0, 2_000, 70_000, 200_000, 300_000])
+def test_a_write_that_fails_midway_leaves_no_checkpoint_that_looks_complete(tmp_path, limit):
+    """The kernel refuses writes past `limit` bytes per file (EFBIG, like ENOSPC on a full disk) at
+    different points of the save: optimizer, RNG, adapter. The failed step never becomes visible, the
+    error says what happened, and the previous checkpoint still loads."""
+    save(tmp_path, 1)
+    state = training_state(2)
+
+    def limited_save():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # get EFBIG from write() instead of being killed
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            save(tmp_path, 2, state=state)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+
+    out = _in_child(limited_save)
+    assert out.get("error") == "OutputWriteError", out
+    assert "writing checkpoint step-2 failed: the file size limit was reached" in out["message"]
+    assert [s for s, _ in C.list_checkpoints(tmp_path)] == [1]
+    assert C.latest(tmp_path) == tmp_path / "step-1"
+    assert not list(tmp_path.glob(".tmp-*")), "a failed save removes its temporary directory"
+    assert_every_visible_checkpoint_loads(tmp_path)
+    save(tmp_path, 2, state=state)  # with room again, the same save succeeds
+    assert C.latest(tmp_path) == tmp_path / "step-2"
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_never_leaves_a_partial_checkpoint(tmp_path):
+    """A child saves checkpoints back to back (keep=2, so it also prunes); it is SIGKILLed at 25 seeded
+    random moments, resuming each time from whatever is on disk. After every kill each visible
+    checkpoint is complete and loads, and the leftovers are hidden names that the next run cleans."""
+    rng = random.Random(1234)
+    state = training_state(3)
+    mid_save = 0
+    for trial in range(25):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                C.clean_partial(tmp_path)
+                last = C.latest(tmp_path)
+                step = int(last.name.split("-")[1]) if last else 0
+                while True:
+                    step += 1
+                    save(tmp_path, step, state=state)
+            finally:
+                os._exit(1)
+        time.sleep(rng.uniform(0.0, 0.2))  # a save takes ~30-80 ms here: kills land inside and between saves
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        mid_save += any(p.name.startswith((".tmp-", ".del-")) for p in tmp_path.iterdir())
+        visible = C.list_checkpoints(tmp_path)
+        assert all(C.problems(p) is None for _, p in visible), (trial, [(p, C.problems(p)) for _, p in visible])
+        assert len(visible) <= 3
+        for p in tmp_path.iterdir():
+            assert p.name.startswith(("step-", ".tmp-step-", ".del-step-")), p
+    assert_every_visible_checkpoint_loads(tmp_path)
+    # Both kinds of moment were hit: kills inside a save, and enough progress between them.
+    assert mid_save >= 5 and int(C.latest(tmp_path).name.split("-")[1]) >= 10, (mid_save, C.latest(tmp_path))
+    C.clean_partial(tmp_path)
+    assert all(p.name.startswith("step-") for p in tmp_path.iterdir())
+
+
+def test_publish_dir_replaces_whole_or_not_at_all(tmp_path):
+    final = tmp_path / "adapter"
+    C.publish_dir(final, lambda d: (d / "a.txt").write_text("one"))
+
+    def broken(d: Path):
+        (d / "a.txt").write_text("two")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="the disk is full"):
+        C.publish_dir(final, broken)
+    assert (final / "a.txt").read_text() == "one"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+    C.publish_dir(final, lambda d: (d / "b.txt").write_text("three"))
+    assert sorted(p.name for p in final.iterdir()) == ["b.txt"]
