@@ -138,7 +138,13 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
     plugin = None
     if dist.strategy == "fsdp":
         plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(fsdp, model_dtype, on_cpu))
-    handlers = [InitProcessGroupKwargs(backend="gloo")] if dist.backend == "gloo" and not on_cpu else []
+    import datetime
+
+    # A hung rank must not hold the others forever: collectives give up after distributed.timeout_minutes.
+    pg = {"timeout": datetime.timedelta(minutes=dist.timeout_minutes)}
+    if dist.backend == "gloo" and not on_cpu:
+        pg["backend"] = "gloo"
+    handlers = [InitProcessGroupKwargs(**pg)]
     # The plugin is passed on CPU too, although Accelerate leaves it unused there: otherwise, under
     # `accelerate launch` with an FSDP config, Accelerate builds its own plugin from the launcher's FSDP_*
     # variables, and FSDP1's sync_module_states=true raises "no available devices" on CPU.

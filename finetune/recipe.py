@@ -227,6 +227,9 @@ class DistributedSpec(_Section):
     """Machines taking part."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: auto picks nccl with CUDA and gloo on CPU."""
+    timeout_minutes: float = Field(30, gt=0)
+    """How long a collective waits for a rank that stopped answering (without dying) before the job fails.
+    A rank that dies is noticed by the launcher within about a second either way."""
 
 
 class FsdpSpec(_Section):
