@@ -130,19 +130,12 @@ def last_json_line(text: str) -> dict:
 
 # ----------------------------------------------------------------------------------- machine facts
 
-VERSIONED = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets")
-
-
 def versions() -> dict[str, str]:
-    from importlib import metadata
+    """Python and the library versions a run dir records (finetune.rundir.versions)."""
+    from finetune.rundir import versions as library_versions
 
-    out = {"python": platform.python_version()}
-    for name in VERSIONED:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = "not installed"
-    return out
+    return {"python": platform.python_version(),
+            **{k: v for k, v in library_versions().items() if k not in ("finetune", "trl")}}
 
 
 def _first(path: str, key: str) -> str | None:
