@@ -37,11 +37,20 @@ def throughput(r: dict) -> list[str]:
         f"{_samples(r['samples']['finetune'])} |",
         f"| plain | {_f(r['plain_tokens_per_s'], 4)} | {_f(r['plain_s_per_step'])} | "
         f"{_samples(r['samples']['plain'])} |",
+        *([f"| finetune, torch's SDPA kernel choice | "
+           f"{_f(r['torch_kernels_ratio'] * r['plain_tokens_per_s'], 4)} | | "
+           f"{_samples(r['samples']['finetune_torch_kernels'])} |"] if "torch_kernels_ratio" in r else []),
         "", f"Ratio of medians {_f(r['throughput_ratio'])}; ratio within each back-to-back pair: "
             f"{_samples(r['pair_ratios'], 3)}.",
+        *(["", "Where the difference comes from: finetune's loop runs the output head and the fp32 loss on "
+               "trained positions only (`train.trained_rows_only`), and on CPU in bf16 picks SDPA's math "
+               "kernel for batches of up to 128 tokens (`finetune.attention`), where torch's default "
+               "flash kernel has a slow backward. With torch's own kernel choice the ratio is "
+               f"{_f(r['torch_kernels_ratio'])}."] if "torch_kernels_ratio" in r else []),
         "", "Same work on both sides: the first step's loss (LoRA B starts at zero, so it depends only on the "
             f"model and the batch) is {_f(r['first_loss']['finetune'], 7)} for finetune and "
-            f"{_f(r['first_loss']['plain'], 7)} for the plain loop."]
+            f"{_f(r['first_loss']['plain'], 7)} for the plain loop; they differ only by the rounding of the "
+            "bf16 attention kernels."]
 
 
 def packing(r: dict) -> list[str]:

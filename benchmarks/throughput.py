@@ -4,7 +4,8 @@ accelerate loop (benchmarks/baseline.py), same tiny QLoRA model, data and settin
 Each run is a fresh process forked from a server that has only imported the libraries. finetune's side is
 the real `finetune.train.train()` on recipes/tiny_cpu.yaml; its throughput is read from the run's own
 metrics.jsonl (logged every `warmup` steps), skipping the first window: steady state only. Runs alternate
-A B / B A; the ratio is of the medians.
+A B C / C B A; the ratio is of the medians. The third arm, finetune's loop with torch's own SDPA kernel
+choice, shows how much of the ratio comes from finetune.attention.
 
     python -m benchmarks.throughput [--reps 5] [--warmup 5] [--steps 20]
 """
@@ -34,12 +35,19 @@ def round_steps(warmup: int, steps: int) -> int:
     return max(1, math.ceil(steps / warmup)) * warmup
 
 
-def finetune_run(extra: list[str], warmup: int, steps: int) -> dict:
-    """finetune's loop as users run it (train() on the recipe); steady throughput from its metrics.jsonl."""
+def finetune_run(extra: list[str], warmup: int, steps: int, torch_kernels: bool = False) -> dict:
+    """finetune's loop as users run it (train() on the recipe); steady throughput from its metrics.jsonl.
+
+    torch_kernels=True is the ablation arm: the same loop with torch's own SDPA kernel choice instead of
+    finetune.attention (this process only; each run is a fresh process)."""
     import torch
 
     from finetune import recipe as recipe_mod
+    from finetune import train as train_mod
     from finetune.train import train
+
+    if torch_kernels:
+        train_mod.attention_kernels = lambda *args: contextlib.nullcontext()
 
     with tempfile.TemporaryDirectory(prefix="bench-ft-") as tmp:
         rec = recipe_mod.load(TINY_RECIPE, overrides(warmup, steps, tuple(extra)) + [f"output.dir={tmp}"])
@@ -57,15 +65,18 @@ def run(reps: int = 5, warmup: int = 5, steps: int = 20) -> dict:
     steps = round_steps(warmup, steps)
     ctx = fork_context()
     got = interleaved(ctx, {"finetune": (finetune_run, ([], warmup, steps)),
-                            "plain": (plain_run, (overrides(warmup, steps), warmup, steps))}, reps)
-    ft = [r["tokens_per_s"] for r in got["finetune"]]
-    pl = [r["tokens_per_s"] for r in got["plain"]]
+                            "plain": (plain_run, (overrides(warmup, steps), warmup, steps)),
+                            "finetune_torch_kernels": (finetune_run, ([], warmup, steps, True))}, reps)
+    rate = {k: [r["tokens_per_s"] for r in v] for k, v in got.items()}
+    ft, pl = rate["finetune"], rate["plain"]
     return {"throughput_ratio": median(ft) / median(pl),
             "finetune_tokens_per_s": median(ft), "plain_tokens_per_s": median(pl),
             "finetune_s_per_step": median([r["s_per_step"] for r in got["finetune"]]),
             "plain_s_per_step": median([r["s_per_step"] for r in got["plain"]]),
             "pair_ratios": [a / b for a, b in zip(ft, pl)],
-            "samples": {"finetune": ft, "plain": pl}, "reps": reps, "warmup_steps": warmup, "timed_steps": steps,
+            # the ablation: finetune's loop with torch's own attention kernel choice, over the plain loop
+            "torch_kernels_ratio": median(rate["finetune_torch_kernels"]) / median(pl),
+            "samples": rate, "reps": reps, "warmup_steps": warmup, "timed_steps": steps,
             "threads": got["finetune"][0]["threads"],
             "first_loss": {k: v[0]["first_loss"] for k, v in got.items()}}
 

@@ -18,6 +18,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 
 from finetune.archs import Arch, resolve
+from finetune.attention import uses_cpu_math_kernel
 
 GiB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
@@ -182,10 +183,15 @@ def layer_saved_bytes(arch: Arch, s: Setup, batch: int, seq: int) -> int:
             n_tok = t * arch.experts_per_tok // x.count if x.count > 1 else t  # routed tokens per expert
             total += lora_linear_saved(n_tok, x.d_in, x.d_out, s.lora_r, s) * x.count
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-    if s.attn == "eager":
-        kv = q  # eager repeats K/V to all heads, then keeps fp32 probabilities and their cast copy
-        total += batch * arch.heads * seq * seq * (4 + cb)
-    total += t * (2 * q + 2 * kv) * cb + batch * arch.heads * seq * 4  # q, k, v, output + logsumexp
+    if s.attn == "sdpa" and uses_cpu_math_kernel(s.device, s.mixed_precision, s.seq_len):
+        # SDPA's math kernel (finetune.attention) upcasts q, k and v (repeated to all heads) to fp32
+        # and keeps those with the fp32 probabilities, in place of the bf16 q, k, v and output
+        total += 3 * t * q * 4 + batch * arch.heads * seq * seq * 4
+    else:
+        if s.attn == "eager":
+            kv = q  # eager repeats K/V to all heads, then keeps fp32 probabilities and their cast copy
+            total += batch * arch.heads * seq * seq * (4 + cb)
+        total += t * (2 * q + 2 * kv) * cb + batch * arch.heads * seq * 4  # q, k, v, output + logsumexp
     inter = t * arch.experts_per_tok if arch.experts else t
     total += inter * i * ab * (3 if arch.gated_mlp() else 1)  # act input, act output and up (gated)
     if arch.experts:
@@ -223,7 +229,10 @@ def activation_terms(arch: Arch, s: Setup) -> dict[str, int]:
         layers = held + rope + per_layer  # plus one layer recomputed during backward
     else:
         held, layers = 0, arch.layers * per_layer + rope - first_layer_discount(arch, s, b * L)
-    logits_transient = b * L * arch.vocab * (MP_BYTES[s.mixed_precision] + 4)  # logits, fp32 upcast for the loss
+    # Logits and their fp32 upcast for the loss, planned for every position: the bound for data with no
+    # masked prompt. The loop runs the head on trained positions only (train.trained_rows_only), so
+    # prompt-masked instruction data needs less.
+    logits_transient = b * L * arch.vocab * (MP_BYTES[s.mixed_precision] + 4)
     return {"activations": layers, "logits_loss": head_saved_bytes(arch, s, b, L) + logits_transient,
             "_held": held + rope, "_per_layer": per_layer, "_head_saved": head_saved_bytes(arch, s, b, L)}
 

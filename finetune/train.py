@@ -5,6 +5,7 @@ accumulate micro-batches under autocast, clip, step, log, evaluate, checkpoint -
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import signal
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
 
 from . import checkpoint, data as data_mod
+from .attention import CPU_MATH_ATTENTION_MAX_LEN, attention_kernels
 from .distributed import autocast, gather_full_adapter_state, make_accelerator, prepare, print0
 from .lora import apply_lora, trainable_report
 from .metrics import Metrics
@@ -28,16 +31,41 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[to
     """Sum of next-token cross-entropy over trained tokens, and their count.
 
     Summing (not averaging) per micro-batch lets the caller divide by the tokens of the whole optimizer
-    step across all ranks, so micro-batch x accumulation x processes never changes the result."""
+    step across all ranks, so micro-batch x accumulation x processes never changes the result.
+
+    The output head runs only on the positions whose next token is trained (see `trained_rows_only`):
+    prompt and padding positions never get logits, so neither their head matmul nor their fp32 upcast for
+    the loss is paid."""
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    with autocast(train_spec, device_type):
-        logits = model(**inputs, use_cache=False).logits
-    shift_logits = logits[:, :-1].float()  # loss in fp32 even under bf16 autocast
-    shift_labels = labels[:, 1:]
-    loss = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1),
-                           ignore_index=data_mod.IGNORE, reduction="sum")
-    return loss, int((shift_labels != data_mod.IGNORE).sum())
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = labels[:, 1:] != data_mod.IGNORE  # position t predicts token t + 1
+    kernels = attention_kernels(device_type, train_spec.mixed_precision, labels.size(1))
+    with trained_rows_only(model, keep), autocast(train_spec, device_type), kernels:
+        logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
+    targets = labels[:, 1:][keep[:, :-1]]
+    if logits.dim() != 2 or logits.size(0) != targets.numel():
+        raise RuntimeError(f"{type(extract_model_from_parallel(model)).__name__} computed its logits without "
+                           "calling its output-embeddings module; finetune's loss needs that module")
+    loss = F.cross_entropy(logits.float(), targets, reduction="sum")  # fp32 loss under bf16 autocast
+    return loss, targets.numel()
+
+
+@contextlib.contextmanager
+def trained_rows_only(model, keep: torch.Tensor):
+    """While active, the model's output head sees only the hidden states at `keep` ([B, T] bool):
+    [B, T, hidden] becomes [N, hidden] and the model returns logits [N, vocab].
+
+    Why: in instruction data most positions are prompt or padding, and the logits are the largest
+    activation of a large-vocabulary model (Llama 3: 128k x 4 bytes per position in fp32). A forward
+    pre-hook on the head keeps this inside the model's own forward, so FSDP's hooks (which gather the
+    head's weights) run exactly as they do without it."""
+    head = extract_model_from_parallel(model).get_output_embeddings()
+    handle = head.register_forward_pre_hook(lambda module, args: (args[0][keep], *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int, layout: str | None):
@@ -143,8 +171,11 @@ def train(recipe: Recipe, run_dir: Path, return_model: bool = False) -> dict:
 def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool = False) -> dict:
     acc, tok, model, prepared = setup(recipe)
     rank, world, dev = acc.process_index, acc.num_processes, acc.device
-    layout = data_mod.packing_layout(recipe.data.packing, acc.unwrap_model(model).config._attn_implementation,
-                                     print0)
+    attn = acc.unwrap_model(model).config._attn_implementation
+    layout = data_mod.packing_layout(recipe.data.packing, attn, print0)
+    if dev.type == "cpu" and recipe.train.mixed_precision == "bf16" and attn == "sdpa":
+        print0(f"attention: batches of up to {CPU_MATH_ATTENTION_MAX_LEN} tokens use SDPA's math kernel (on CPU "
+               "in bf16 its backward is about twice as fast as the flash kernel's)")
     per_epoch, total_steps = plan_steps(recipe, prepared.train, world, layout)
     t = recipe.train
     optimizer = build_optimizer(model, t)

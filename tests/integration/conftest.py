@@ -28,6 +28,7 @@ def make_run_dir(root: Path, recipe: dict | None = None, quantize: bool = False,
     model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, r.model.dtype), **kw)
     cfg = LoraConfig(r=r.lora.r, lora_alpha=r.lora.alpha, target_modules="all-linear", lora_dropout=0.0,
                      task_type="CAUSAL_LM", **(lora_kwargs or {}))
+    torch.manual_seed(seed)  # LoRA A's init draws from the global generator: fix it, whatever ran before
     model = get_peft_model(model, cfg)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -10,7 +10,9 @@ from benchmarks import common, report
 ROWS = {
     "throughput": {"throughput_ratio": 1.08, "finetune_tokens_per_s": 520.0, "plain_tokens_per_s": 481.5,
                    "finetune_s_per_step": 0.11, "plain_s_per_step": 0.12, "pair_ratios": [1.1, 1.05, 1.08],
-                   "samples": {"finetune": [510.0, 520.0, 530.0], "plain": [480.0, 481.5, 490.0]}, "reps": 3,
+                   "samples": {"finetune": [510.0, 520.0, 530.0], "plain": [480.0, 481.5, 490.0],
+                               "finetune_torch_kernels": [470.0, 475.0, 480.0]},
+                   "torch_kernels_ratio": 0.986, "reps": 3,
                    "warmup_steps": 5, "timed_steps": 20, "threads": 2,
                    "first_loss": {"finetune": 2.331234, "plain": 2.3312341}},
     "packing": {"packing_speedup": 2.1, "padding_fraction_packed": 0.02, "padding_fraction_unpacked": 0.55},
@@ -132,7 +134,10 @@ def test_main_writes_results_and_prints_json_last(monkeypatch, tmp_path, capsys)
     last = json.loads(stdout.strip().splitlines()[-1])
     assert last["throughput_ratio"] == 1.08 and last["all_goals_met"] is True
     assert last["meta"]["rows_run"] == list(cli.ROWS)
-    assert "## 1. Training loop throughput" in out.read_text()
+    text = out.read_text()
+    assert "## 1. Training loop throughput" in text
+    assert "| finetune, torch's SDPA kernel choice | 474.8 |" in text  # the ablation arm: 0.986 x 481.5
+    assert "With torch's own kernel choice the ratio is 0.986." in text
 
 
 def test_main_exit_codes(monkeypatch, tmp_path, capsys):
