@@ -57,9 +57,12 @@ def _step(model, optimizer, batches, tspec, token_loss_sum) -> tuple[float, int]
     step's trained tokens). Returns (seconds, trained tokens)."""
     t0 = time.perf_counter()
     total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
+    from finetune.train import batch_kernels
+
     for b in batches:
-        loss, _ = token_loss_sum(model, b, "cpu", tspec)
-        (loss / total).backward()
+        with batch_kernels(b, "cpu", tspec):
+            loss, _ = token_loss_sum(model, b, "cpu", tspec)
+            (loss / total).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return time.perf_counter() - t0, total

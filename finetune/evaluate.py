@@ -67,14 +67,16 @@ def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int) -> fl
 
 @torch.no_grad()
 def heldout_loss(model, examples, recipe) -> float:
-    from .train import token_loss_sum
+    from .train import batch_kernels, token_loss_sum
 
     total = count = 0
+    device_type = "cpu" if not torch.cuda.is_available() else "cuda"
     batches = data_mod.batches(examples, recipe.train.micro_batch_size, 0, False, recipe.data.max_seq_len)
     for i, b in enumerate(batches):
         if recipe.eval.max_batches and i >= recipe.eval.max_batches:
             break
-        loss, n = token_loss_sum(model, b, "cpu" if not torch.cuda.is_available() else "cuda", recipe.train)
+        with batch_kernels(b, device_type, recipe.train):
+            loss, n = token_loss_sum(model, b, device_type, recipe.train)
         total, count = total + float(loss), count + n
     return total / max(count, 1)
 

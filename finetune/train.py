@@ -35,13 +35,12 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[to
 
     The output head runs only on the positions whose next token is trained (see `trained_rows_only`):
     prompt and padding positions never get logits, so neither their head matmul nor their fp32 upcast for
-    the loss is paid."""
+    the loss is paid. Callers run it, and its backward, inside `batch_kernels`."""
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != data_mod.IGNORE  # position t predicts token t + 1
-    kernels = attention_kernels(device_type, train_spec.mixed_precision, labels.size(1))
-    with trained_rows_only(model, keep), autocast(train_spec, device_type), kernels:
+    with trained_rows_only(model, keep), autocast(train_spec, device_type):
         logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
     targets = labels[:, 1:][keep[:, :-1]]
     if logits.dim() != 2 or logits.size(0) != targets.numel():
@@ -49,6 +48,13 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[to
                            "calling its output-embeddings module; finetune's loss needs that module")
     loss = F.cross_entropy(logits.float(), targets, reduction="sum")  # fp32 loss under bf16 autocast
     return loss, targets.numel()
+
+
+def batch_kernels(batch: dict, device_type: str, train_spec):
+    """The SDPA kernels for this batch (finetune.attention), to hold over its forward AND its backward:
+    gradient checkpointing recomputes attention during backward, and the recomputation must save the same
+    tensors as the forward did, so it must run the same kernel."""
+    return attention_kernels(device_type, train_spec.mixed_precision, batch["input_ids"].size(1))
 
 
 @contextlib.contextmanager
@@ -100,7 +106,8 @@ def evaluate(model, batches, accelerator, train_spec, max_batches=None) -> float
         if max_batches and i >= max_batches:
             break
         b = {k: v.to(accelerator.device) for k, v in b.items()}
-        loss, n = token_loss_sum(model, b, accelerator.device.type, train_spec)
+        with batch_kernels(b, accelerator.device.type, train_spec):
+            loss, n = token_loss_sum(model, b, accelerator.device.type, train_spec)
         total += float(loss)
         count += n
     model.train()
@@ -222,9 +229,10 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         step_tokens = global_sum(acc, local_tokens)
         loss_total = 0.0
         for b in micro:
-            loss_sum, _ = token_loss_sum(model, b, dev.type, t)
-            # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
-            acc.backward(loss_sum * world / step_tokens)
+            with batch_kernels(b, dev.type, t):
+                loss_sum, _ = token_loss_sum(model, b, dev.type, t)
+                # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
+                acc.backward(loss_sum * world / step_tokens)
             loss_total += loss_sum.item()
         grad_norm = acc.clip_grad_norm_(model.parameters(), t.max_grad_norm) if t.max_grad_norm else None
         optimizer.step()

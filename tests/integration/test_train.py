@@ -171,3 +171,18 @@ def test_cli_overrides_and_bad_input(tmp_path):
         assert p.returncode == 2, (name, p.stderr)
         assert needle in p.stderr, (name, p.stderr)
         assert "Traceback" not in p.stderr, name
+
+
+def test_gradient_checkpointing_recomputes_the_same_training(tmp_path, capsys):
+    """Checkpointing recomputes each layer in backward, attention included: on CPU in bf16 the loop holds
+    the math kernel over backward too (train.batch_kernels), so the recomputation matches the forward and
+    training is the same as without checkpointing."""
+    runs = {}
+    for ck in (False, True):
+        r = tiny(tmp_path, name=f"ck-{ck}", model={"gradient_checkpointing": ck}, train={"max_steps": 3})
+        train(r, tmp_path / f"ck-{ck}")
+        runs[ck] = (losses(tmp_path / f"ck-{ck}"), adapter(tmp_path / f"ck-{ck}"))
+    assert "math kernel" in capsys.readouterr().out  # the CPU bf16 kernel choice was in force
+    assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-4)
+    for k, v in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][k], v, rtol=1e-3, atol=1e-5)
