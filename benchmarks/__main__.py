@@ -19,7 +19,7 @@ from benchmarks import common, report
 ROWS = {
     "throughput": ({"reps": 5, "warmup": 5, "steps": 20}, {"reps": 1, "warmup": 2, "steps": 2}, 900),
     "packing": ({}, {}, 600),
-    "merge_rss": ({}, {}, 600),
+    "merge_rss": ({"reps": 3}, {"reps": 1}, 600),
     "estimate_error": ({}, {}, 600),
     "checkpointing": ({"reps": 5, "warmup": 5, "steps": 10}, {"reps": 1, "warmup": 2, "steps": 2}, 900),
     "startup": ({"first_step_reps": 3, "validate_reps": 5}, {"first_step_reps": 1, "validate_reps": 1}, 600),

@@ -1,8 +1,8 @@
 """Peak RSS of `finetune merge` against peft's `merge_and_unload`, as the model grows.
 
 Two synthetic bf16 Llama models (~200 MB and ~400 MB, written in 100 MB shards, each with an all-linear
-r=16 LoRA adapter) are merged by each tool in a fresh subprocess; the child reports its own peak RSS
-(VmHWM from /proc/self/status). Growth = extra peak RSS / extra model bytes: a streaming
+r=16 LoRA adapter) are merged by each tool in a fresh subprocess, three times each (median); the child
+reports its own peak RSS (VmHWM from /proc/self/status). Growth = extra peak RSS / extra model bytes: a streaming
 merge should stay well under 0.25 (it holds about one input and one output shard, whatever the model),
 while loading the whole model to merge it grows by about 1.
 
@@ -14,6 +14,7 @@ import json
 import math
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -126,19 +127,26 @@ def _measure(tool: str, adapter: Path, out: Path) -> int:
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_rss"]
 
 
-def run() -> dict:
+def run(reps: int = 3) -> dict:
+    """Each tool merges each model `reps` times, alternating tools; growth is computed from the medians."""
+    import statistics
+
     t0 = time.time()
     with tempfile.TemporaryDirectory(prefix="merge-rss-") as tmp:
-        sizes, peaks = {}, {"finetune": {}, "peft": {}}
+        sizes, samples = {}, {"finetune": {}, "peft": {}}
         for label, layers in LAYERS.items():
             adapter, sizes[label] = build(Path(tmp) / label, layers)
-            for tool in peaks:
-                peaks[tool][label] = _measure(tool, adapter, Path(tmp) / label / f"out-{tool}")
+            for i in range(reps):
+                for tool in (samples if i % 2 == 0 else list(samples)[::-1]):
+                    out = Path(tmp) / label / f"out-{tool}-{i}"
+                    samples[tool].setdefault(label, []).append(_measure(tool, adapter, out))
+                    shutil.rmtree(out, ignore_errors=True)  # keep the disk footprint at one model per tool
+    peaks = {tool: {label: int(statistics.median(v)) for label, v in by.items()} for tool, by in samples.items()}
     extra = sizes["large"] - sizes["small"]
     growth = {tool: (p["large"] - p["small"]) / extra for tool, p in peaks.items()}
     return {"merge_rss_growth": growth["finetune"], "peft_rss_growth": growth["peft"],
-            "model_bytes": sizes, "peak_rss_bytes": peaks, "shard_bytes": SHARD,
-            "seconds": round(time.time() - t0, 1)}
+            "model_bytes": sizes, "peak_rss_bytes": peaks, "samples": samples, "reps": reps,
+            "shard_bytes": SHARD, "seconds": round(time.time() - t0, 1)}
 
 
 def table(res: dict) -> str:
@@ -150,7 +158,12 @@ def table(res: dict) -> str:
         g = res["merge_rss_growth"] if key == "finetune" else res["peft_rss_growth"]
         rows.append(f"| {tool} | {p['small'] / mb:.0f} MB | {p['large'] / mb:.0f} MB | {g:.3f} |")
     s = res["model_bytes"]
-    return "\n".join(rows) + f"\n\nModels: {s['small'] / mb:.0f} MB and {s['large'] / mb:.0f} MB bf16, 100 MB shards."
+    text = "\n".join(rows) + f"\n\nModels: {s['small'] / mb:.0f} MB and {s['large'] / mb:.0f} MB bf16, 100 MB shards."
+    if "samples" in res:
+        runs = "; ".join(f"{tool} {label}: {', '.join(f'{x / mb:.0f}' for x in xs)} MB"
+                         for tool, by in res["samples"].items() for label, xs in by.items())
+        text += f" Peak RSS is the median of {res['reps']} merges each ({runs})."
+    return text
 
 
 if __name__ == "__main__":
