@@ -94,6 +94,8 @@ def test_markdown_flags_load_quick_runs_and_failures():
     md = report.markdown(results(rows, load_before=3.9, quick=True))
     assert "Taken under load" in md and "load average 3.9" in md and "not final" in md
     assert "Quick run" in md
+    # the load at the end is the benchmarks' own: it does not flag an idle start
+    assert "Taken under load" not in report.markdown(results(ROWS, load_before=0.1, load_after=1.4))
     assert "not available (benchmarks/packing.py is not present)" in md
     assert "error: exit 1" in md and "MemoryError" in md
     assert "Not run this time" in md  # startup
