@@ -55,10 +55,10 @@ def documents(rows: list[dict]) -> list[dict]:
 def _step(model, optimizer, batches, tspec, token_loss_sum) -> tuple[float, int]:
     """One optimizer step over `batches`, accumulated with the loop's normalisation (loss sum over the
     step's trained tokens). Returns (seconds, trained tokens)."""
-    t0 = time.perf_counter()
-    total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
     from finetune.train import batch_kernels
 
+    t0 = time.perf_counter()
+    total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
     for b in batches:
         with batch_kernels(b, "cpu", tspec):
             loss, _ = token_loss_sum(model, b, "cpu", tspec)

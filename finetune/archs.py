@@ -17,6 +17,9 @@ from pathlib import Path
 _LLAMA2 = dict(model_type="llama", vocab_size=32000, tie_word_embeddings=False)
 _LLAMA3 = dict(model_type="llama", vocab_size=128256, tie_word_embeddings=False, num_key_value_heads=8)
 _QWEN25 = dict(model_type="qwen2", vocab_size=152064, tie_word_embeddings=False, attention_bias=True)
+# Mixtral 8x7B shares Mistral 7B's dimensions; each expert is one Mistral-sized MLP
+_MISTRAL7B = dict(model_type="mistral", tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
 _GEMMA2 = dict(model_type="gemma2", vocab_size=256000, tie_word_embeddings=True)
 
 TABLE: dict[str, dict] = {
@@ -32,15 +35,9 @@ TABLE: dict[str, dict] = {
                                         num_attention_heads=64),
     "meta-llama/Llama-3.1-405B": dict(_LLAMA3, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                                       num_attention_heads=128),
-    "mistralai/Mistral-7B-v0.1": dict(model_type="mistral", vocab_size=32000, tie_word_embeddings=False,
-                                      hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                      num_attention_heads=32, num_key_value_heads=8),
-    "mistralai/Mistral-7B-v0.3": dict(model_type="mistral", vocab_size=32768, tie_word_embeddings=False,
-                                      hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                      num_attention_heads=32, num_key_value_heads=8),
-    "mistralai/Mixtral-8x7B-v0.1": dict(model_type="mixtral", vocab_size=32000, tie_word_embeddings=False,
-                                        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8,
+    "mistralai/Mistral-7B-v0.1": dict(_MISTRAL7B, vocab_size=32000),
+    "mistralai/Mistral-7B-v0.3": dict(_MISTRAL7B, vocab_size=32768),
+    "mistralai/Mixtral-8x7B-v0.1": dict(_MISTRAL7B, model_type="mixtral", vocab_size=32000, num_local_experts=8,
                                         num_experts_per_tok=2),
     "Qwen/Qwen2.5-7B": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
                             num_attention_heads=28, num_key_value_heads=4),

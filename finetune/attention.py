@@ -11,6 +11,11 @@ import contextlib
 CPU_MATH_ATTENTION_MAX_LEN = 128
 
 
+def cpu_math_kernel_possible(device_type: str, mixed_precision: str) -> bool:
+    """Whether some batches of this run can take the math kernel (see uses_cpu_math_kernel)."""
+    return device_type == "cpu" and mixed_precision == "bf16"
+
+
 def uses_cpu_math_kernel(device_type: str, mixed_precision: str, seq_len: int) -> bool:
     """On CPU in bf16, torch's flash kernel pays a large fixed cost in its backward. Measured here (torch
     2.13, 2 cores, causal GQA attention, forward + backward): flash / math time 2.2 at 64 tokens, 2.1 at
@@ -18,7 +23,7 @@ def uses_cpu_math_kernel(device_type: str, mixed_precision: str, seq_len: int) -
     CPU_MATH_ATTENTION_MAX_LEN tokens take the math kernel, which keeps fp32 copies of q, k, v and the
     [B, H, T, T] probabilities for backward (at most 128 x 128 per head). CUDA, fp32 and longer batches
     keep torch's own choice."""
-    return device_type == "cpu" and mixed_precision == "bf16" and seq_len <= CPU_MATH_ATTENTION_MAX_LEN
+    return cpu_math_kernel_possible(device_type, mixed_precision) and seq_len <= CPU_MATH_ATTENTION_MAX_LEN
 
 
 def attention_kernels(device_type: str, mixed_precision: str, seq_len: int):

@@ -15,6 +15,7 @@ parity check passed, so a crash or a failed check never leaves an output that lo
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -70,6 +71,7 @@ def resolve_source(path: str | os.PathLike) -> Source:
     return Source(adapter_dir, base_dir, base_name, cfg, recipe, run_dir)
 
 
+@functools.lru_cache(maxsize=1)
 def _libc():
     """glibc through ctypes, or None (another C library, another OS): the memory tuning below is then
     skipped and the merge is the same, only with a higher peak."""

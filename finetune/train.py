@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
 from . import checkpoint, data as data_mod
-from .attention import CPU_MATH_ATTENTION_MAX_LEN, attention_kernels
+from .attention import CPU_MATH_ATTENTION_MAX_LEN, attention_kernels, cpu_math_kernel_possible
 from .distributed import autocast, gather_full_adapter_state, make_accelerator, prepare, print0
 from .lora import apply_lora, trainable_report
 from .metrics import Metrics
@@ -180,7 +180,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     rank, world, dev = acc.process_index, acc.num_processes, acc.device
     attn = acc.unwrap_model(model).config._attn_implementation
     layout = data_mod.packing_layout(recipe.data.packing, attn, print0)
-    if dev.type == "cpu" and recipe.train.mixed_precision == "bf16" and attn == "sdpa":
+    if attn == "sdpa" and cpu_math_kernel_possible(dev.type, recipe.train.mixed_precision):
         print0(f"attention: batches of up to {CPU_MATH_ATTENTION_MAX_LEN} tokens use SDPA's math kernel (on CPU "
                "in bf16 its backward is about twice as fast as the flash kernel's)")
     per_epoch, total_steps = plan_steps(recipe, prepared.train, world, layout)
