@@ -7,4 +7,4 @@ import transformers  # noqa: F401
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq  # noqa: F401
 from transformers.models.llama import modeling_llama  # noqa: F401
 
-import finetune.train  # noqa: F401
+import finetune.train.loop  # noqa: F401

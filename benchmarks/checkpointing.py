@@ -34,9 +34,9 @@ def count_flops(checkpointing: bool) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     from finetune import recipe as recipe_mod
-    from finetune.lora import apply_lora
-    from finetune.model import enable_checkpointing, load_model
-    from finetune.train import token_loss_sum
+    from finetune.train.lora import apply_lora
+    from finetune.train.model import enable_checkpointing, load_model
+    from finetune.train.loop import token_loss_sum
 
     import bitsandbytes  # noqa: F401  (defines the op the formula is for)
 
@@ -60,7 +60,7 @@ def count_flops(checkpointing: bool) -> dict:
 
 def flop_rows(counted: dict) -> dict:
     from benchmarks.flops import lora_step_flops
-    from finetune.archs import resolve
+    from finetune.plan.archs import resolve
 
     arch, _ = resolve("builtin:tiny-llama")
     out = {}

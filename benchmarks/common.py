@@ -132,7 +132,7 @@ def last_json_line(text: str) -> dict:
 
 def versions() -> dict[str, str]:
     """Python and the library versions a run dir records (finetune.rundir.versions)."""
-    from finetune.rundir import versions as library_versions
+    from finetune.recipe.rundir import versions as library_versions
 
     return {"python": platform.python_version(),
             **{k: v for k, v in library_versions().items() if k not in ("finetune", "trl")}}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 
 def run() -> dict:
-    from finetune.memcheck import measured_vs_planned
+    from benchmarks.memcheck import measured_vs_planned
 
     res = measured_vs_planned()
     return {"estimate_error": res["worst_error"], "worst_static_error": res["worst_static_error"],

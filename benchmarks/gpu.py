@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks import flops as F
 from benchmarks.common import commit, now, read_jsonl, steady_rate, versions
-from finetune.recipe import RecipeError
+from finetune.util.errors import RecipeError
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "RESULTS_GPU.md"
 GIB = 2**30
@@ -166,11 +166,11 @@ def measure(a: argparse.Namespace, argv: list[str], run_dir: Path) -> dict | Non
     """Train on the GPU(s); the result dict on rank 0, None elsewhere."""
     import torch
 
-    from finetune import data as data_mod
-    from finetune.archs import resolve
-    from finetune.model import load_tokenizer
+    from finetune.data import pipeline as data_mod
+    from finetune.plan.archs import resolve
+    from finetune.train.model import load_tokenizer
     from finetune.recipe import load
-    from finetune.train import train
+    from finetune.train.loop import train
 
     rec = load(a.recipe, bench_overrides(a, run_dir))
     torch.cuda.reset_peak_memory_stats()

@@ -48,7 +48,7 @@ def build(root: Path, n_layers: int) -> tuple[Path, int]:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer, LlamaConfig
 
-    from finetune import tiny
+    from finetune.util import builtin as tiny
 
     base, adapter = root / "base", root / "adapter"
     base.mkdir(parents=True)
@@ -89,7 +89,7 @@ def build(root: Path, n_layers: int) -> tuple[Path, int]:
 def _child(tool: str, adapter: str, out: str) -> None:
     """Runs in a fresh interpreter; prints its own peak RSS in bytes."""
     if tool == "finetune":
-        from finetune.merge import merge
+        from finetune.merge.stream import merge
 
         merge(adapter, output=out, dtype="bf16", max_shard_size="100MB", check=False)
     else:

@@ -30,7 +30,7 @@ N_EXAMPLES, MAX_LEN, BATCH, TIMED_ROWS, REPEATS = 1500, 128, 8, 8, 5
 
 def skewed_rows(n: int, seed: int = 0) -> list[dict]:
     """Prompt/completion rows of the tiny model's words: 7 in 8 of 2-10 words, every eighth 30-80."""
-    from finetune import tiny
+    from finetune.util import builtin as tiny
 
     rng = random.Random(seed)
     rows = []
@@ -55,7 +55,7 @@ def documents(rows: list[dict]) -> list[dict]:
 def _step(model, optimizer, batches, tspec, token_loss_sum) -> tuple[float, int]:
     """One optimizer step over `batches`, accumulated with the loop's normalisation (loss sum over the
     step's trained tokens). Returns (seconds, trained tokens)."""
-    from finetune.train import batch_kernels
+    from finetune.train.loop import batch_kernels
 
     t0 = time.perf_counter()
     total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
@@ -69,12 +69,12 @@ def _step(model, optimizer, batches, tspec, token_loss_sum) -> tuple[float, int]
 
 
 def run() -> dict:
-    from finetune import data as D
-    from finetune.lora import apply_lora
-    from finetune.model import load_model, load_tokenizer
-    from finetune.optim import build_optimizer
+    from finetune.data import pipeline as D
+    from finetune.train.lora import apply_lora
+    from finetune.train.model import load_model, load_tokenizer
+    from finetune.train.optim import build_optimizer
     from finetune.recipe import DataSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
-    from finetune.train import token_loss_sum
+    from finetune.train.loop import token_loss_sum
 
     mspec, tspec = ModelSpec(gradient_checkpointing=False), TrainSpec(optimizer="adamw_8bit")
     tok = load_tokenizer(mspec)

@@ -44,7 +44,7 @@ def validate_seconds() -> float:
 
 
 def run(first_step_reps: int = 3, validate_reps: int = 5) -> dict:
-    from finetune import tiny
+    from finetune.util import builtin as tiny
 
     tiny.model_dir(), tiny.dataset_dir()  # build the builtin assets now if missing: a one-off, not startup
     first = [first_step_seconds() for _ in range(first_step_reps)]

@@ -43,8 +43,8 @@ def finetune_run(extra: list[str], warmup: int, steps: int, torch_kernels: bool 
     import torch
 
     from finetune import recipe as recipe_mod
-    from finetune import train as train_mod
-    from finetune.train import train
+    from finetune.train import loop as train_mod
+    from finetune.train.loop import train
 
     if torch_kernels:
         train_mod.attention_kernels = lambda *args: contextlib.nullcontext()

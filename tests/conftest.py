@@ -10,14 +10,14 @@ sys.path.insert(0, str(ROOT))
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from finetune import tiny
+    from finetune.util import builtin as tiny
 
     return tiny.model_dir()
 
 
 @pytest.fixture(scope="session")
 def tiny_data_dir():
-    from finetune import tiny
+    from finetune.util import builtin as tiny
 
     return tiny.dataset_dir()
 

@@ -15,7 +15,7 @@ def make_run_dir(root: Path, recipe: dict | None = None, quantize: bool = False,
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     from finetune import recipe as recipe_mod
-    from finetune import tiny
+    from finetune.util import builtin as tiny
 
     base = tiny.model_dir()
     r = recipe_mod.from_dict(recipe or {})

@@ -23,8 +23,8 @@ SEQ, GLOBAL_BATCH = 32, 8
 def load_qlora_model():
     """The tiny base in 4-bit NF4 (double quant, bf16 compute, fp32 storage, fp32 model) + LoRA r=16 on
     every linear, dropout 0 so 1 and 2 processes compute the same thing."""
-    from finetune.lora import apply_lora
-    from finetune.model import load_model
+    from finetune.train.lora import apply_lora
+    from finetune.train.model import load_model
     from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
 
     model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), notice=lambda *_: None)
@@ -35,8 +35,8 @@ def batches(steps: int):
     """Global batches of GLOBAL_BATCH rows x SEQ tokens cut from the tiny instruction set's token stream:
     real text, and every row has the same number of trained tokens, so the mean of the ranks' mean
     losses is the 1-process mean loss."""
-    from finetune import tiny
-    from finetune.model import load_tokenizer
+    from finetune.util import builtin as tiny
+    from finetune.train.model import load_tokenizer
     from finetune.recipe import ModelSpec
 
     tok = load_tokenizer(ModelSpec())
@@ -80,7 +80,7 @@ def four_bit_facts(model) -> dict:
 def sharding_facts(model, accelerator) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from finetune.distributed import is_sharded
+    from finetune.train.distributed import is_sharded
 
     params = list(model.parameters())
     return {"model_class": type(model).__name__, "is_sharded": is_sharded(model),
@@ -90,7 +90,7 @@ def sharding_facts(model, accelerator) -> dict:
 
 def optimizer_facts(opt, named_before: dict) -> dict:
     """Per lora_A tensor: state dtype and whether the state is sized to this rank's shard."""
-    from finetune.optim import _local
+    from finetune.train.optim import _local
 
     inner = getattr(opt, "optimizer", opt)
     out = {}
@@ -121,8 +121,8 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from finetune import distributed as D
-    from finetune.optim import build_optimizer, build_scheduler
+    from finetune.train import distributed as D
+    from finetune.train.optim import build_optimizer, build_scheduler
     from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
 
     train = TrainSpec(micro_batch_size=args.micro_batch, optimizer=args.optimizer, learning_rate=args.lr,

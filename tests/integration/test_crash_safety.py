@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune import checkpoint as C
+from finetune.train import checkpoint as C
 
 from .procs import alive, exit_code_of, fork_cli, metrics, wait_pid
 
@@ -46,7 +46,7 @@ def warm():
     import peft  # noqa: F401
     import transformers  # noqa: F401
 
-    from finetune import train  # noqa: F401
+    from finetune.train import loop as train  # noqa: F401
 
 
 def rel_diff(a: dict, b: dict) -> float:

@@ -3,7 +3,7 @@ linear, on CPU. Weights, gradients and optimizer state are counted from the live
 what autograd saves for backward, caught with torch.autograd.graph.saved_tensors_hooks (finetune.memcheck)."""
 import pytest
 
-from finetune import memcheck
+from benchmarks import memcheck
 
 pytestmark = pytest.mark.slow
 

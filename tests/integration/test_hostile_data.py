@@ -13,10 +13,11 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from finetune import data as D
-from finetune import sources as S
-from finetune import tiny
-from finetune.recipe import DataSource, RecipeError, from_dict
+from finetune.data import pipeline as D
+from finetune.data import sources as S
+from finetune.util import builtin as tiny
+from finetune.recipe import DataSource, from_dict
+from finetune.util.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,

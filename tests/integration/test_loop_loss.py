@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune import data as D
+from finetune.data import pipeline as D
 from finetune.recipe import DataSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
 
 
@@ -13,8 +13,8 @@ from finetune.recipe import DataSpec, LoraSpec, ModelSpec, QuantizationSpec, Tra
 def setup(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from finetune.lora import apply_lora
-    from finetune.model import load_model
+    from finetune.train.lora import apply_lora
+    from finetune.train.model import load_model
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [{"prompt": f"reverse: {' '.join(['red', 'cat', 'sun', 'dog', 'fox'][: 1 + i % 5])}\n",
@@ -37,7 +37,7 @@ def lora_grads(model) -> dict:
 
 
 def test_head_on_trained_rows_gives_the_full_logits_loss_and_gradients(setup):
-    from finetune.train import token_loss_sum
+    from finetune.train.loop import token_loss_sum
 
     model, batch = setup
     labels = batch["labels"]
@@ -91,7 +91,7 @@ def saved_shapes(kernels, seq: int) -> list[tuple]:
     ("cpu", "bf16", 64, True), ("cpu", "bf16", 128, True),  # short bf16 batches on CPU: the math kernel
     ("cpu", "bf16", 256, False), ("cpu", "no", 64, False), ("cuda", "bf16", 64, False)])
 def test_attention_kernels_pick_the_math_kernel_only_for_short_bf16_cpu_batches(device, precision, seq, math):
-    from finetune.attention import attention_kernels
+    from finetune.plan.attention import attention_kernels
 
     shapes = saved_shapes(attention_kernels(device, precision, seq), seq)
     # the math kernel keeps the [batch * heads, T, T] fp32 probabilities; the flash kernel keeps only a

@@ -7,9 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from finetune import merge as merge_mod
-from finetune.merge import main, merge, resolve_source
-from finetune.merge_check import check_prompts, parity_check
+from finetune.merge import stream as merge_mod
+from finetune import cli
+from finetune.merge.source import four_bit_weights, resolve_source
+from finetune.merge.stream import merge
+from finetune.merge.check import check_prompts, parity_check
 
 pytestmark = pytest.mark.slow
 
@@ -67,8 +69,8 @@ def test_merged_model_matches_plain_peft(tiny_run, tmp_path, dtype, tol):
 def test_nf4_target_reproduces_the_4bit_model_and_adapter(qlora_run, tmp_path):
     """An adapter saved by plain peft from a 4-bit model (what FSDP/QLoRA runs write) merges in one CPU
     process; merged into the NF4-dequantized weights it computes what base(4-bit) + adapter computed."""
-    assert main([str(qlora_run), "--output", str(tmp_path / "nf4"), "--target", "nf4", "--dtype", "fp32"]) == 0
-    assert main([str(qlora_run), "--output", str(tmp_path / "orig"), "--dtype", "fp32"]) == 0
+    assert cli.main(["merge", str(qlora_run), "--output", str(tmp_path / "nf4"), "--target", "nf4", "--dtype", "fp32"]) == 0
+    assert cli.main(["merge", str(qlora_run), "--output", str(tmp_path / "orig"), "--dtype", "fp32"]) == 0
     tok = AutoTokenizer.from_pretrained(tmp_path / "nf4")
     prompts = check_prompts(resolve_source(qlora_run))
     # train() mode: bitsandbytes' eval-mode CPU kernel computes in bf16; training dequantizes and matmuls
@@ -89,10 +91,10 @@ def test_four_bit_weights_and_roundtrip_match_bitsandbytes_loader(tiny_run):
     import bitsandbytes.functional as bnbf
     from safetensors import safe_open
 
-    from finetune.merge_plan import QuantSpec, quant_roundtrip
+    from finetune.merge.plan import QuantSpec, quant_roundtrip
 
     loaded = {n + ".weight": m for n, m in model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
-    assert merge_mod._four_bit_weights(src.base_dir) == set(loaded)
+    assert four_bit_weights(src.base_dir) == set(loaded)
     name = "model.layers.2.self_attn.k_proj.weight"
     with safe_open(str(src.base_dir / "model.safetensors"), "pt") as f:
         w = f.get_tensor(name)
@@ -126,7 +128,7 @@ def test_failed_check_leaves_nothing_and_detects_a_wrong_scale(tiny_run, tmp_pat
     real = merge_mod.lora_delta
     monkeypatch.setattr(merge_mod, "lora_delta", lambda a, b, s: real(a, b, 2 * s))  # a scaling bug
     out = tmp_path / "bad"
-    assert main([str(tiny_run), "--output", str(out), "--max-shard-size", "2MB"]) == 1
+    assert cli.main(["merge", str(tiny_run), "--output", str(out), "--max-shard-size", "2MB"]) == 1
     assert not out.exists() and list(tmp_path.iterdir()) == []  # no output, no temp dir left
 
 
@@ -134,22 +136,22 @@ def test_output_safety_and_idempotence(tiny_run, tmp_path, capsys):
     out = tmp_path / "m"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    assert main([str(tiny_run), "--output", str(out), "--no-check"]) == 2
+    assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check"]) == 2
     assert "--force" in capsys.readouterr().err and (out / "notes.txt").exists()
-    assert main([str(tiny_run), "--output", str(out), "--no-check", "--force"]) == 0
+    assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check", "--force"]) == 0
     assert not (out / "notes.txt").exists()
     first = {p.name: p.read_bytes() for p in out.iterdir()}
-    assert main([str(tiny_run), "--output", str(out), "--no-check"]) == 0  # same inputs: up to date
+    assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check"]) == 0  # same inputs: up to date
     assert "up to date" in capsys.readouterr().out
-    assert main([str(tiny_run), "--output", str(out), "--no-check", "--force"]) == 0
+    assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check", "--force"]) == 0
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first  # byte-identical re-run
-    assert main([str(tiny_run), "--output", str(out), "--no-check", "--dtype", "fp32"]) == 2  # different merge
+    assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check", "--dtype", "fp32"]) == 2  # different merge
 
 
 def test_default_output_is_run_dir_merged(tiny_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
-    assert main([str(run), "--no-check"]) == 0
+    assert cli.main(["merge", str(run), "--no-check"]) == 0
     assert (run / "merged" / "model.safetensors").is_file()
 
 
@@ -158,10 +160,10 @@ def test_unsupported_adapters_are_refused(tiny_run, tmp_path, capsys):
     shutil.copytree(tiny_run, run)
     cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
     (run / "adapter" / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
-    assert main([str(run), "--no-check"]) == 2
+    assert cli.main(["merge", str(run), "--no-check"]) == 2
     err = capsys.readouterr().err
     assert "DoRA" in err and "Traceback" not in err and not (run / "merged").exists()
-    assert main([str(tmp_path / "nowhere")]) == 2
+    assert cli.main(["merge", str(tmp_path / "nowhere")]) == 2
 
 
 def test_rslora_scaling_matches_peft(tmp_path):

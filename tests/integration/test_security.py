@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from finetune import recipe as R
-from finetune import validate as V
-from finetune.model import load_model
+from finetune.commands import validate as V
+from finetune.train.model import load_model
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from finetune import recipe as R
-from finetune.train import train
+from finetune.train.loop import train
 
 from ..conftest import run_cli
 
@@ -50,8 +50,8 @@ PINNED_FIRST_LOSS = 1.958085
 
 
 def test_trainable_params_change_and_frozen_do_not(tmp_path):
-    from finetune.lora import apply_lora
-    from finetune.model import load_model
+    from finetune.train.lora import apply_lora
+    from finetune.train.model import load_model
 
     r = tiny(tmp_path)
     fresh = apply_lora(load_model(r.model, r.quantization), r.lora, seed=r.train.seed)
@@ -103,7 +103,7 @@ def test_micro_batch_times_accumulation_is_invariant(tmp_path, settings, rel):
 def test_quantized_layers_are_really_4bit(tmp_path):
     import bitsandbytes as bnb
 
-    from finetune.model import load_model, quantized_bytes_per_param
+    from finetune.train.model import load_model, quantized_bytes_per_param
 
     r = tiny(tmp_path)
     m = load_model(r.model, r.quantization)

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu
-from finetune.archs import from_config
-from finetune.recipe import RecipeError
+from finetune.plan.archs import from_config
+from finetune.util.errors import RecipeError
 
 TINY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384, "tie_word_embeddings": False}

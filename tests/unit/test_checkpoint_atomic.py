@@ -18,7 +18,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from finetune import checkpoint as C
+from finetune.train import checkpoint as C
 
 
 def training_state(seed: int = 0):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from finetune import data as D
+from finetune.data import pipeline as D
 from finetune.recipe import DataSpec
 
 

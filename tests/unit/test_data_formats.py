@@ -2,7 +2,7 @@
 completion / assistant spans, multi-turn included; train_on_inputs trains everything."""
 import pytest
 
-from finetune import data as D
+from finetune.data import pipeline as D
 from finetune.recipe import DataSpec
 
 
@@ -10,7 +10,7 @@ from finetune.recipe import DataSpec
 def tok():
     from transformers import AutoTokenizer
 
-    from finetune import tiny
+    from finetune.util import builtin as tiny
 
     return AutoTokenizer.from_pretrained(tiny.ASSETS / f"tiny-llama-{tiny.VERSION}")
 

@@ -5,15 +5,16 @@ import random
 
 import pytest
 
-from finetune import data as D
-from finetune.recipe import DataSource, DataSpec, RecipeError
+from finetune.data import pipeline as D
+from finetune.recipe import DataSource, DataSpec
+from finetune.util.errors import RecipeError
 
 
 @pytest.fixture(scope="module")
 def tok():
     from transformers import AutoTokenizer
 
-    from finetune import tiny
+    from finetune.util import builtin as tiny
 
     return AutoTokenizer.from_pretrained(tiny.ASSETS / f"tiny-llama-{tiny.VERSION}")
 

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from finetune import sources as S
-from finetune.recipe import DataSource, RecipeError
+from finetune.data import sources as S
+from finetune.recipe import DataSource
+from finetune.util.errors import RecipeError
 
 
 def write_jsonl(path, rows):

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune import diskcheck as D
+from finetune.plan import disk as D
 from finetune import recipe as R
-from finetune.archs import resolve
+from finetune.plan.archs import resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 Usage = namedtuple("Usage", "total used free")

@@ -6,9 +6,10 @@ import io
 import pytest
 import torch
 
-from finetune import distributed as D
-from finetune import optim
-from finetune.recipe import FsdpSpec, RecipeError, TrainSpec
+from finetune.train import distributed as D
+from finetune.train import optim
+from finetune.recipe import FsdpSpec, TrainSpec
+from finetune.util.errors import RecipeError
 
 
 def test_fsdp2_mapping_and_plugin_builds_on_cpu():

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune import docs
+from finetune.recipe import reference as docs
 from finetune.recipe import field_docs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -12,7 +12,7 @@ PAGE = ROOT / "docs" / "recipe_reference.md"
 
 def test_committed_reference_matches_the_schema():
     assert PAGE.read_text(encoding="utf-8") == docs.render(), \
-        "docs/recipe_reference.md is stale: run `python -m finetune.docs` and commit the result"
+        "docs/recipe_reference.md is stale: run `python -m finetune.recipe.reference` and commit the result"
 
 
 def test_check_mode_detects_drift(tmp_path):

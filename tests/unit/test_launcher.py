@@ -10,9 +10,10 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.commands.launch import _validate_launch_command, launch_command_parser
 from accelerate.utils.launch import prepare_multi_gpu_env, prepare_simple_launcher_cmd_env
 
-from finetune import launcher
-from finetune.headers import split_header
-from finetune.recipe import RecipeError, from_dict, load
+from finetune import cli
+from finetune.plan import launcher
+from finetune.plan.headers import split_header
+from finetune.recipe import from_dict, load
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,14 +122,16 @@ def test_mixed_precision_follows_fsdp_param_dtype_not_autocast():
 
 def test_cli_writes_a_loadable_config(tmp_path):
     out = tmp_path / "acc.yaml"
-    assert launcher.main([str(ROOT / "recipes/llama3_70b_qlora.yaml"), "--gpus", "4", "--output", str(out)]) == 0
+    assert cli.main(["accelerate-config", str(ROOT / "recipes/llama3_70b_qlora.yaml"), "--gpus", "4", "--output",
+                     str(out)]) == 0
     cfg = load_config_from_file(str(out))
     assert (cfg.num_processes, cfg.fsdp_config["fsdp_offload_params"]) == (4, True)
 
 
-def test_cli_rejects_processes_that_do_not_divide_over_machines(tmp_path):
-    with pytest.raises(RecipeError):
-        launcher.main([str(ROOT / "recipes/llama3_70b_qlora.yaml"), "--gpus", "3", "--machines", "2"])
+def test_cli_rejects_processes_that_do_not_divide_over_machines(capsys):
+    assert cli.main(["accelerate-config", str(ROOT / "recipes/llama3_70b_qlora.yaml"), "--gpus", "3",
+                     "--machines", "2"]) == 2
+    assert "does not divide" in capsys.readouterr().err
 
 
 def test_fsdp1_config_uses_the_sharding_strategy_name():

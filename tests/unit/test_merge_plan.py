@@ -3,9 +3,9 @@ import math
 import pytest
 import torch
 
-from finetune.merge_plan import (QuantSpec, TensorInfo, adapter_problems, lora_delta, merged_tensor, pair_keys,
-                                 parse_size, plan_shards, scaling, shard_names)
-from finetune.recipe import RecipeError
+from finetune.merge.plan import QuantSpec, TensorInfo, adapter_problems, lora_delta, merged_tensor, pair_keys, plan_shards, scaling, shard_names
+from finetune.util.errors import RecipeError
+from finetune.util.units import parse_size
 
 
 @pytest.mark.parametrize("text,expected", [("5GB", 5 * 10**9), ("100MB", 10**8), ("2GiB", 2 * 2**30),
@@ -17,7 +17,7 @@ def test_parse_size(text, expected):
 @pytest.mark.parametrize("bad", ["", "GB", "5 GBs", "-1GB", "0MB", "five"])
 def test_parse_size_rejects(bad):
     with pytest.raises(RecipeError, match="max-shard-size"):
-        parse_size(bad)
+        parse_size(bad, "--max-shard-size")
 
 
 def test_pair_keys_maps_peft_names_to_base_modules():

@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from finetune import headers, validate
-from finetune.estimate import parse_size
+from finetune.plan import headers
+from finetune import cli
+from finetune.plan import preflight as validate
+from finetune.util.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
 MINE = ["llama3_8b_qlora.yaml", "llama3_70b_qlora.yaml", "mistral_7b_qlora.yaml", "qwen2.5_7b_qlora.yaml",
@@ -19,7 +21,7 @@ WITH_BLOCK = sorted({p.name for p in (ROOT / "recipes").glob("*.yaml") if header
 def test_header_matches_a_fresh_plan(name):
     path = ROOT / "recipes" / name
     _, block, _ = headers.split_header(path.read_text())
-    assert block, f"{name} has no plan header; add one with `python -m finetune.estimate --update-headers {path}`"
+    assert block, f"{name} has no plan header; add one with `python -m finetune estimate --update-headers {path}`"
     assert block == headers.plan_block(path), f"{name}: header drifted; run python -m finetune.estimate " \
                                               "--update-headers recipes/"
 
@@ -33,7 +35,7 @@ def test_shipped_recipe_validates_and_fits_its_gpus(name, capsys, monkeypatch):
     assert "planned for:" in text and "# launch:" in text
     size = headers.PLANNED_FOR.search(text).group(2)
     args = [] if size == "cpu" else ["--gpu-memory", size]
-    assert validate.main([str(path)] + args) == 0, capsys.readouterr().out
+    assert cli.main(["validate", str(path)] + args) == 0, capsys.readouterr().out
     if size != "cpu":
         assert "fits with" in text
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.recipe import RecipeError
-from finetune.slurm import expand_nodelist, launch_args, main
+from finetune.util.errors import RecipeError
+from finetune import cli
+from finetune.plan.slurm import expand_nodelist, launch_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -127,14 +128,14 @@ def test_main_prints_the_command(recipe, monkeypatch, capsys):
     r = recipe(num_machines=2)
     for k, v in _env().items():
         monkeypatch.setenv(k, v)
-    assert main([r, "lora.r=8"]) == 0
+    assert cli.main(["slurm", r, "lora.r=8"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("accelerate launch --num_machines 2 --num_processes 8 --machine_rank 1 ")
     assert out.strip().endswith(f"-m finetune {r} lora.r=8")
 
 
 def test_command_line_exits_2_without_traceback_outside_slurm(recipe):
-    bad = subprocess.run([sys.executable, "-m", "finetune.slurm", recipe(num_machines=2)],
+    bad = subprocess.run([sys.executable, "-m", "finetune", "slurm", recipe(num_machines=2)],
                          env={"PATH": "/usr/bin:/bin"}, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert "SLURM_JOB_NODELIST is not set" in bad.stderr
@@ -143,5 +144,5 @@ def test_command_line_exits_2_without_traceback_outside_slurm(recipe):
 def test_sbatch_script_runs_one_launcher_per_node():
     text = (ROOT / "scripts" / "slurm" / "finetune.sbatch").read_text()
     assert "#SBATCH --ntasks-per-node=1" in text
-    assert "srun" in text and "python -m finetune.slurm --exec" in text
+    assert "srun" in text and "python -m finetune slurm --exec" in text
     assert subprocess.run(["bash", "-n", str(ROOT / "scripts" / "slurm" / "finetune.sbatch")]).returncode == 0

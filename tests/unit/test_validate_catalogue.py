@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune import validate
-from finetune.recipe import RecipeError
+from finetune import cli
+from finetune.plan import preflight as validate
+from finetune.util.devices import cuda_facts
+from finetune.util.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA8 = "meta-llama/Llama-3.1-8B-Instruct"  # shapes from the built-in table: no torch, no download
@@ -31,7 +33,7 @@ def merge(base, change):
 
 
 def no_gpu():
-    return validate._cuda()[0] == 0
+    return cuda_facts()[0] == 0
 
 
 # (id, base, change, extra CLI args, launcher env, expected path, level)
@@ -121,7 +123,7 @@ def run_validate(path, args, env, monkeypatch, capsys):
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     try:
-        rc = validate.main([str(path)] + args)
+        rc = cli.main(["validate", str(path)] + args)
     except RecipeError as e:  # what the CLI does with bad input: print and exit 2
         print(e.render())
         rc = 2
@@ -189,7 +191,7 @@ def test_cli_exit_code_without_traceback(change, rc, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(yaml.safe_dump(merge(FSDP, change)))
     env = {k: v for k, v in __import__("os").environ.items() if k not in FSDP_ENV and not k.startswith("ACCELERATE")}
-    out = subprocess.run([sys.executable, "-m", "finetune.validate", str(recipe)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "finetune", "validate", str(recipe)], capture_output=True, text=True,
                          cwd=ROOT, env=env, timeout=60)
     assert out.returncode == rc, out.stdout + out.stderr
     assert "Traceback" not in out.stderr

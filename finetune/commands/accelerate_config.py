@@ -1,0 +1,35 @@
+"""`finetune accelerate-config RECIPE [--gpus N] [--machines M]`: the Accelerate launcher YAML that matches
+a recipe, so the recipe and the launcher never drift."""
+from __future__ import annotations
+
+from finetune.commands.common import add_recipe_arguments
+
+
+def register(sub) -> None:
+    p = sub.add_parser("accelerate-config", help="the launcher YAML for this recipe",
+                       description="Write the Accelerate launcher YAML that matches a recipe.")
+    add_recipe_arguments(p)
+    p.add_argument("--gpus", type=int, help="total processes (default: distributed.num_processes)")
+    p.add_argument("--machines", type=int, help="machines (default: distributed.num_machines)")
+    p.add_argument("--cpu", action="store_true", help="for a machine without GPUs (use_cpu: true)")
+    p.add_argument("--output", "-o", help="write here instead of stdout")
+    p.set_defaults(run=run)
+
+
+def run(a) -> int:
+    from pathlib import Path
+
+    from finetune.commands.common import at_least_one, load_recipe
+    from finetune.plan.launcher import accelerate_config, render_config
+
+    at_least_one(a, "gpus", "machines")
+    r = load_recipe(a)
+    shown = " ".join([a.recipe] + a.overrides)
+    text = render_config(r, accelerate_config(r, a.gpus, a.machines, cpu=a.cpu), shown)
+    if a.output:
+        Path(a.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.output).write_text(text)
+        print(f"wrote {a.output}")
+    else:
+        print(text, end="")
+    return 0

@@ -1,0 +1,120 @@
+"""`finetune data RECIPE`: look at exactly what trains, before training.
+
+Renders N examples with the trained tokens marked (labels != -100), then the counts: rows, bad rows,
+truncated/dropped, tokens, trained tokens, packing efficiency and padding. Loads the tokenizer only.
+With --json the last line is one JSON object of the stats.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from finetune.commands.common import add_recipe_arguments
+from finetune.util.errors import RecipeError
+
+OPEN, CLOSE = "\u27e6", "\u27e7"  # ⟦trained⟧ when the output is not a terminal
+GREEN, RESET = "\033[1;32m", "\033[0m"
+
+
+def _tokenizer(model_spec):
+    """The recipe's tokenizer. For the builtin model only its tokenizer files are needed, so the shipped
+    ones are read directly (never building or loading weights just to look at data)."""
+    from finetune.util import builtin as tiny
+    from finetune.train.model import load_tokenizer
+
+    shipped = tiny.ASSETS / f"tiny-llama-{tiny.VERSION}"
+    if model_spec.name in tiny.BUILTIN_MODELS and (shipped / "tokenizer.json").exists():
+        return load_tokenizer(model_spec, path=str(shipped))
+    return load_tokenizer(model_spec)
+
+
+def render(example: dict, tok, color: bool) -> str:
+    """The example's text with trained spans marked. A token trains when its label is not -100 and it
+    is not the first (the shifted loss never predicts token 0). Runs are decoded whole so multi-byte
+    characters split across tokens still read correctly."""
+    from finetune.data.pipeline import IGNORE
+
+    ids = example["input_ids"]
+    trained = [i > 0 and lab != IGNORE for i, lab in enumerate(example["labels"])]
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or trained[i] != trained[start]:
+            text = tok.decode(ids[start:i])
+            if trained[start]:
+                text = (GREEN + text + RESET) if color else (OPEN + text + CLOSE)
+            out.append(text)
+            start = i
+    return "".join(out)
+
+
+def summary(stats: dict, data_spec) -> list[str]:
+    s = stats
+    pct = 100 * s["trained_tokens"] / max(s["tokens"], 1)
+    lines = ["sources:"]
+    for src in s["sources"]:
+        lines.append(f"  {src['path']}  ({src['format']}, weight {src['weight']:g}): {src['rows_read']} rows read, "
+                     f"{src['rows_eval']} held out, {src['rows_train']} to train")
+    lines += [
+        f"rows: {s['rows']} train, {s['eval_rows']} eval; bad rows skipped: {s['rows_skipped']}",
+        f"length: max {s['max_length']}, mean {s['mean_length']} tokens; longer than max_seq_len "
+        f"{data_spec.max_seq_len}: {s['truncated']} truncated, {s['dropped_overlong']} dropped; "
+        f"{s['no_trained_tokens']} dropped with nothing to train",
+        f"tokens: {s['tokens']}, trained: {s['trained_tokens']} ({pct:.1f}%)",
+        f"packing ({'on' if data_spec.packing else 'off'}, layout {s['packing_layout'] or 'padded'}): "
+        f"efficiency {s['packing_efficiency']:.3f} over {s['packed_rows']} rows of {data_spec.max_seq_len}; "
+        f"padding per micro-batch of {s['micro_batch_size']}: {100 * s['padding_fraction_unpacked']:.1f}% unpacked, "
+        f"{100 * s['padding_fraction_packed']:.1f}% packed",
+    ]
+    if s["bad_rows"]:
+        lines.append(f"bad rows (first {len(s['bad_rows'])} of {s['rows_skipped']}):")
+        lines += [f"  {b}" for b in s["bad_rows"]]
+    return lines
+
+
+def register(sub) -> None:
+    p = sub.add_parser("data", help="look at what trains", description="Show what trains: examples with the "
+                       "trained tokens marked, and the data stats.")
+    add_recipe_arguments(p)
+    p.add_argument("--dataset", help="use this one file or folder instead of the recipe's sources (format detected)")
+    p.add_argument("--show", type=int, default=3, metavar="N", help="examples to render (default 3)")
+    p.add_argument("--json", action="store_true", help="end with one JSON line of the stats")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from finetune.commands.common import load_recipe
+    from finetune.data import pipeline as data_mod
+    from finetune.recipe import DataSource
+
+    if args.show < 0:
+        raise RecipeError(["--show: must be >= 0"])
+    recipe = load_recipe(args)
+    if args.dataset:
+        recipe.data.sources = [DataSource(path=args.dataset)]
+        recipe.data.eval_sources = []
+    from finetune.train.model import resolve_attention
+
+    notices = []
+    layout = data_mod.packing_layout(recipe.data.packing, resolve_attention(recipe.model.attn_implementation,
+                                                                            notices.append), notices.append)
+    tok = _tokenizer(recipe.model)
+    prepared = data_mod.prepare(recipe.data, tok)
+    stats = dict(prepared.stats)
+    stats.update(data_mod.batch_stats(prepared.train, recipe.train.micro_batch_size, recipe.data.max_seq_len))
+    stats.update(packing=recipe.data.packing, packing_layout=layout, micro_batch_size=recipe.train.micro_batch_size)
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    for note in notices:
+        print(note)
+    if args.show:
+        print(f"trained tokens are shown {'in green' if color else OPEN + 'like this' + CLOSE}")
+    for i, ex in enumerate(prepared.train[: args.show]):
+        n_trained = sum(t != data_mod.IGNORE for t in ex["labels"][1:])
+        print(f"--- example {i + 1} of {len(prepared.train)} ({ex.get('where', '?')}): "
+              f"{len(ex['input_ids'])} tokens, {n_trained} trained")
+        print(render(ex, tok, color))
+    print("---")
+    print("\n".join(summary(stats, recipe.data)))
+    if args.json:
+        print(json.dumps(stats, default=str))
+    return 0

@@ -1,0 +1,80 @@
+"""`finetune estimate [RECIPE] [key=value ...]`: per-GPU memory and per-machine CPU RAM of a run, offline,
+from the model's config.json or the built-in table. Never imports torch. `--update-headers DIR` rewrites
+the plan block at the top of shipped recipes."""
+from __future__ import annotations
+
+import argparse
+
+from finetune.commands.common import add_recipe_arguments
+
+
+def register(sub) -> None:
+    p = sub.add_parser("estimate", help="per-GPU VRAM and CPU RAM plan",
+                       description="Plan per-GPU memory and CPU RAM of a run, offline, from the model's config.json "
+                                   "or the built-in table.")
+    add_recipe_arguments(p, optional=True)
+    p.add_argument("--model", help="hub id, local directory or builtin:tiny-llama")
+    p.add_argument("--gpus", type=int, help="GPUs (processes) in total, over all machines")
+    p.add_argument("--machines", type=int)
+    p.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GiB; enables the fit check")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--micro-batch", type=int)
+    p.add_argument("--lora-r", type=int)
+    p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--device", choices=["cuda", "cpu"], help="plan a GPU (default) or a CPU run")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--update-headers", metavar="DIR_OR_FILE", help="rewrite the plan headers of recipes")
+    p.set_defaults(run=run)
+
+
+def setup_from_args(a):
+    from dataclasses import replace
+
+    from finetune import recipe as rmod  # pydantic only; no torch
+    from finetune.plan.estimate import from_recipe
+    from finetune.util.units import parse_size
+
+    if a.recipe:
+        r = rmod.load(a.recipe, a.overrides)
+    else:
+        # The schema's defaults are the default QLoRA run: plan that for --model.
+        data = rmod.apply_overrides({"model": {"name": a.model or "builtin:tiny-llama"}}, a.overrides)
+        r = rmod.from_dict(data, "command line")
+    s = from_recipe(r)
+    updates = {"model": a.model, "gpus": a.gpus, "machines": a.machines, "seq_len": a.seq_len,
+               "micro_batch": a.micro_batch, "lora_r": a.lora_r, "offload": a.offload,
+               "checkpointing": a.checkpointing, "device": a.device}
+    s = replace(s, **{k: v for k, v in updates.items() if v is not None})
+    if s.gpus > 1 and s.strategy == "single":
+        s = replace(s, strategy="fsdp")  # more than one GPU without a strategy: plan the FSDP run
+    if s.offload and s.strategy != "fsdp":
+        s = replace(s, strategy="fsdp")
+    if a.gpu_memory:
+        s = replace(s, gpu_memory=parse_size(a.gpu_memory, "--gpu-memory"))
+    return s
+
+
+def run(a) -> int:
+    import json
+
+    from finetune.commands.common import at_least_one, split_overrides
+    from finetune.plan.estimate import build, render
+    from finetune.util.errors import RecipeError
+
+    if a.update_headers:
+        from finetune.plan.headers import update_headers
+
+        for line in update_headers(a.update_headers):
+            print(line)
+        return 0
+    at_least_one(a, "gpus", "machines", "seq_len", "micro_batch", "lora_r")
+    split_overrides(a)
+    try:
+        p = build(setup_from_args(a))
+    except ValueError as e:  # unknown model: where it looked and what it knows
+        raise RecipeError([str(e)]) from None
+    print(render(p))
+    if a.json:
+        print(json.dumps(p.to_json(), sort_keys=True))
+    return 0

@@ -1,0 +1,25 @@
+"""`finetune eval RUN_DIR [--json]`: held-out loss and exact match of a finished run, adapter against base."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser("eval", help="held-out loss and exact match, adapter vs base",
+                       description="Held-out loss and exact match of a run.")
+    p.add_argument("run_dir", type=Path)
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    import json
+
+    from finetune.train.evaluate import run_eval
+
+    res = run_eval(args.run_dir)
+    for k, v in res.items():
+        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+    if args.json:
+        print(json.dumps(res))
+    return 0

@@ -1,0 +1,37 @@
+"""`finetune RECIPE [key=value ...]` (also `finetune train RECIPE`, `accelerate launch -m finetune RECIPE`):
+the preflight, then the run into `output.dir`."""
+from __future__ import annotations
+
+import sys
+
+from finetune.commands.common import add_recipe_arguments, load_recipe
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a recipe (`finetune RECIPE` is the same)",
+                       description="Train a recipe into its output.dir; re-running the same command resumes.")
+    add_recipe_arguments(p)
+    p.set_defaults(run=run)
+
+
+def run(a) -> int:
+    from pathlib import Path
+
+    from finetune.plan.preflight import preflight
+    from finetune.util.errors import RecipeError
+    from finetune.util.log import print0
+
+    recipe = load_recipe(a)
+    # Every check that needs no weights runs before any process loads them.
+    problems = preflight(recipe)
+    for p in problems:
+        if p.level == "warning":
+            print(f"warning: {p.render()}", file=sys.stderr)
+    errors = [p.render() for p in problems if p.level == "error"]
+    if errors:
+        raise RecipeError(errors, a.recipe)
+    from finetune.train.loop import train
+
+    result = train(recipe, Path(recipe.output.dir))
+    print0(f"done: {result}; run dir {recipe.output.dir}")
+    return 0

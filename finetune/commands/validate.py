@@ -1,0 +1,34 @@
+"""`finetune validate RECIPE`: schema, FSDP+QLoRA contract, launcher environment and memory fit, before
+anything loads. Exit 2 when any error is found."""
+from __future__ import annotations
+
+from finetune.commands.common import add_recipe_arguments, load_recipe
+
+
+def register(sub) -> None:
+    p = sub.add_parser("validate", help="schema + FSDP/QLoRA contract + memory fit, no weights",
+                       description="Check a recipe before anything loads: schema, FSDP+QLoRA contract, "
+                                   "launcher environment, memory fit.")
+    add_recipe_arguments(p)
+    p.add_argument("--gpus", type=int, help="total GPUs to plan for (default: the recipe's)")
+    p.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GiB")
+    p.add_argument("--cpu-memory", help="RAM of one machine, e.g. 128GiB")
+    p.set_defaults(run=run)
+
+
+def run(a) -> int:
+    from finetune.commands.common import at_least_one
+    from finetune.plan.preflight import preflight, render
+    from finetune.util.units import parse_size
+
+    gpu_mem = parse_size(a.gpu_memory, "--gpu-memory") if a.gpu_memory else None
+    cpu_mem = parse_size(a.cpu_memory, "--cpu-memory") if a.cpu_memory else None
+    at_least_one(a, "gpus")
+    r = load_recipe(a)  # schema and contract errors raise RecipeError (exit 2)
+    problems = preflight(r, a.gpus, gpu_mem, cpu_memory=cpu_mem)
+    errors = sum(p.level == "error" for p in problems)
+    if problems:
+        print(render(problems))
+    warnings = len(problems) - errors
+    print(f"{a.recipe}: {'FAILED' if errors else 'ok'} ({errors} error(s), {warnings} warning(s))")
+    return 2 if errors else 0

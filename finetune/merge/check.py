@@ -1,0 +1,183 @@
+"""The merge's parity check: does the written model compute what base + adapter computes?
+
+Reference, by target:
+- original: plain peft (LoRA layers unmerged) on the unquantized base, in fp32;
+- nf4: the 4-bit model exactly as training loaded it (bitsandbytes, the recipe's quant type, double
+  quant and model dtype) + the adapter in plain peft. Its compute dtype is set to fp32 for the check, so
+  the comparison measures the merge, not bf16 matmul noise.
+The merged model is loaded with plain `AutoModelForCausalLM` in fp32 (bf16/fp16 weights upcast exactly).
+
+Memory policy: the full logits check holds ONE model at a time (merged logits are computed, the model is
+freed, then the reference is loaded), each in fp32, and only runs when that fp32 model fits comfortably
+(under FULL_CHECK_MAX_BYTES and under 40% of available RAM). Bigger models get the layer check instead:
+a spread of merged weights are read back from the written shards, one at a time, and compared on random
+inputs with peft's own LoRA layer wrapped around the base weight. Either way memory stays bounded.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+FULL_CHECK_MAX_BYTES = 8 * 2**30  # fp32 bytes of the model; ~2B parameters
+# Tolerance on max |logit difference| / max |reference logit|, by the coarser of the written dtype and
+# the dtype training held the base in. bf16 keeps 8 mantissa bits (relative rounding 2^-9 per weight);
+# a few layers of that give ~1e-2 relative logit error, so 3e-2 flags real bugs (a wrong scale, a missed
+# or transposed update all move logits by O(1)) without failing on rounding.
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+FALLBACK_PROMPTS = ["The quick brown fox", "reverse: red blue green\n", "Once upon a time there was",
+                    "sort: sun moon star\n"]
+
+
+def parity_check(src, out_dir: Path, target: str, full_limit_bytes: int | None = None) -> dict:
+    import psutil
+
+    from finetune.merge.plan import RECIPE_DTYPES
+
+    cfg = json.loads((Path(out_dir) / "config.json").read_text())
+    out_dtype = getattr(torch, cfg["dtype"])
+    train_dtype = RECIPE_DTYPES[src.recipe.model.dtype] if (target == "nf4" and src.recipe) else torch.float32
+    tol = max(TOLERANCE[out_dtype], TOLERANCE[train_dtype])
+    fp32_bytes = 4 * _num_params(Path(out_dir))
+    limit = FULL_CHECK_MAX_BYTES if full_limit_bytes is None else full_limit_bytes
+    if fp32_bytes <= min(limit, 0.4 * psutil.virtual_memory().available):
+        result = _logits_check(src, Path(out_dir), target)
+    else:
+        result = _layer_check(src, Path(out_dir), target)
+    result["tolerance"] = tol
+    result["status"] = "passed" if result["rel_diff"] <= tol else "failed"
+    result["summary"] = (f"{result['kind']} check against {result['reference']}: max |diff| "
+                         f"{result['max_abs_diff']:.3g}, relative {result['rel_diff']:.3g} "
+                         f"(tolerance {tol:g})")
+    return result
+
+
+def _num_params(out_dir: Path) -> int:
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(out_dir.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                n += torch.Size(h.get_slice(k).get_shape()).numel()
+    return n
+
+
+def check_prompts(src, n: int = 4) -> list[str]:
+    """Held-out prompts: the recipe's eval set if it is a local/builtin jsonl, else fixed generic text."""
+    from finetune.util.builtin import BUILTIN_DATASETS
+
+    paths = []
+    if src.recipe is not None:
+        for s in list(src.recipe.data.eval_sources) + list(src.recipe.data.sources):
+            if s.path in BUILTIN_DATASETS:
+                paths.append(BUILTIN_DATASETS[s.path]() / "eval.jsonl")  # held out by construction
+        paths += [Path(s.path) for s in src.recipe.data.eval_sources if s.path.endswith(".jsonl")]
+    for p in paths:
+        if p.is_file():
+            rows = [json.loads(line) for line in p.read_text().splitlines()[:n] if line.strip()]
+            prompts = [r.get("prompt") or r.get("text") for r in rows]
+            if all(isinstance(x, str) and x for x in prompts) and prompts:
+                return prompts
+    return FALLBACK_PROMPTS[:n]
+
+
+def _logits(model, tok, prompts) -> list[torch.Tensor]:
+    model.eval()
+    with torch.no_grad():
+        return [model(**tok(p, return_tensors="pt")).logits[0].float() for p in prompts]
+
+
+def reference_model(src, target: str):
+    """Base + adapter, unmerged, in plain peft: fp32 base for `original`, the training-time 4-bit base
+    (fp32 compute) for `nf4`."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from finetune.merge.source import quant_spec
+
+    if target == "nf4":
+        q = quant_spec(src.recipe)
+        storage = src.recipe.effective_quant_storage() if src.recipe else "float32"
+        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
+                                 bnb_4bit_use_double_quant=q.double_quant, bnb_4bit_compute_dtype=torch.float32,
+                                 bnb_4bit_quant_storage=getattr(torch, storage))
+        base = AutoModelForCausalLM.from_pretrained(src.base_dir, quantization_config=bnb, dtype=q.dtype)
+        for m in base.modules():
+            # On AVX512-BF16 CPUs, bitsandbytes' eval-mode Linear4bit repacks the weight for a kernel that
+            # computes in bf16 whatever compute_dtype says (0.4% error on the tiny model). Training takes
+            # the dequantize-then-matmul path, which is what the merged weights reproduce: force it.
+            if hasattr(m, "support_avx512bf16_for_cpu"):
+                m.support_avx512bf16_for_cpu = False
+    else:
+        base = AutoModelForCausalLM.from_pretrained(src.base_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, src.adapter_dir)
+
+
+def _logits_check(src, out_dir: Path, target: str) -> dict:
+    import gc
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    prompts = check_prompts(src)
+    merged = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32)
+    got = _logits(merged, tok, prompts)
+    del merged
+    gc.collect()  # one model in memory at a time
+    want = _logits(reference_model(src, target), tok, prompts)
+    diff = max((g - w).abs().max().item() for g, w in zip(got, want))
+    scale = max(w.abs().max().item() for w in want)
+    agree = sum((g.argmax(-1) == w.argmax(-1)).sum().item() for g, w in zip(got, want))
+    positions = sum(w.shape[0] for w in want)
+    return {"kind": "logits", "prompts": len(prompts), "positions": positions,
+            "reference": "4-bit base + adapter (peft)" if target == "nf4" else "fp32 base + adapter (peft)",
+            "max_abs_diff": diff, "rel_diff": diff / max(scale, 1e-12), "argmax_agreement": agree / positions}
+
+
+def _layer_check(src, out_dir: Path, target: str, n_layers: int = 8) -> dict:
+    """Big models: peft's LoRA Linear on the base weight vs the merged weight read back from disk."""
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as LoraLinear
+    from peft.utils.other import get_pattern_key
+    from safetensors import safe_open
+
+    from finetune.merge.source import base_tensors, four_bit_weights, quant_spec
+    from finetune.merge.plan import pair_keys, quant_roundtrip
+
+    ad = safe_open(str(src.adapter_dir / "adapter_model.safetensors"), framework="pt")
+    pairs = list(pair_keys(ad.keys()).items())
+    picked = [pairs[round(i * (len(pairs) - 1) / max(n_layers - 1, 1))] for i in range(min(n_layers, len(pairs)))]
+    where_in = {t.name: t.source for t in base_tensors(src.base_dir)}
+    index = out_dir / "model.safetensors.index.json"
+    where_out = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    four_bit = four_bit_weights(src.base_dir) if target == "nf4" else set()
+    gen = torch.Generator().manual_seed(0)
+    diff = scale = 0.0
+    for module, (ka, kb) in picked:
+        name = f"{module}.weight"
+        with safe_open(str(src.base_dir / where_in[name]), framework="pt") as f:
+            w = f.get_tensor(name)
+        if target == "nf4":
+            q = quant_spec(src.recipe)
+            w = quant_roundtrip(w, q) if name in four_bit else w.to(q.dtype)
+        with safe_open(str(out_dir / (where_out[name] if where_out else "model.safetensors")), "pt") as f:
+            merged = f.get_tensor(name).float()
+        a, b = ad.get_tensor(ka).float(), ad.get_tensor(kb).float()
+        cfg = src.adapter_config
+        alpha = (cfg.get("alpha_pattern") or {}).get(
+            get_pattern_key((cfg.get("alpha_pattern") or {}).keys(), module), cfg.get("lora_alpha", 8))
+        base = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+        base.weight.data = w.float()
+        # peft's own layer computes the scale (alpha/r or rslora's alpha/sqrt(r)) and the A-then-B forward,
+        # independently of the arithmetic in merge_plan.
+        lcfg = LoraConfig(r=a.shape[0], lora_alpha=alpha, lora_dropout=0.0, use_rslora=bool(cfg.get("use_rslora")))
+        layer = LoraLinear(base, "default", lcfg, r=a.shape[0], lora_alpha=alpha)
+        layer.lora_A["default"].weight.data, layer.lora_B["default"].weight.data = a, b
+        x = torch.randn(4, w.shape[1], generator=gen)
+        with torch.no_grad():
+            want, got = layer(x), x @ merged.T
+        diff, scale = max(diff, (got - want).abs().max().item()), max(scale, want.abs().max().item())
+    return {"kind": "layer", "layers": len(picked), "reference": "peft LoRA layer on the base weight",
+            "max_abs_diff": diff, "rel_diff": diff / max(scale, 1e-12)}

@@ -1,0 +1,211 @@
+"""`finetune merge RUN_DIR`: fold a LoRA adapter into its base and write one servable model.
+
+Streaming by construction: the base is read one safetensors shard at a time (never the whole model,
+never 4-bit weights), each targeted weight gets (alpha/r) * B @ A added in fp32 and is rounded once to
+the output dtype, and output shards are written as they fill. Peak memory is about one input shard plus
+one output shard, whatever the model size (benchmarks/merge_rss.py measures it).
+
+Targets: `original` adds the update to the base weights as published; `nf4` adds it to each weight as
+training saw it (cast to the recipe's model dtype, 4-bit quantized, dequantized), so the merged model
+computes what the trained adapter computed. See docs/merge.md for when to pick which.
+
+Safe: everything is written to a temporary sibling directory and renamed into place only after the
+parity check passed, so a crash or a failed check never leaves an output that looks complete.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from finetune.merge.plan import DTYPES, lora_delta, merged_tensor, pair_keys, plan_shards, scaling, shard_names
+from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
+from finetune.util.errors import RecipeError
+from finetune.util.units import parse_size
+
+FORMAT_VERSION = 1  # bump when the output layout or arithmetic changes: old outputs are then not "up to date"
+
+
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """glibc through ctypes, or None (another C library, another OS): the memory tuning below is then
+    skipped and the merge is the same, only with a higher peak."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if not (name and sys.platform.startswith("linux")):
+        return None
+    try:
+        lib = ctypes.CDLL(name)
+        return lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+def _map_large_buffers():
+    """Serve every allocation of 1 MiB or more (tensors) by its own mmap, so freeing it returns it to the
+    OS at once. glibc's default threshold grows as big blocks are freed, after which tensors come from the
+    heap and their freed space lingers: the peak then depends on allocation order and varied from run to
+    run (measured on the benchmark's 200 MB / 400 MB models: 667-695 / 728-782 MB peak RSS; with a fixed
+    1 MiB threshold 583 / 615 MB, the same every run). M_MMAP_THRESHOLD is process-wide and stays set;
+    it only changes where large blocks come from."""
+    lib = _libc()
+    if lib is not None:
+        lib.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+
+
+def _release_freed_memory():
+    """Hand freed heap pages back to the OS after each output shard: small allocations still come from the
+    heap, and glibc keeps their freed chunks otherwise."""
+    lib = _libc()
+    if lib is not None:
+        lib.malloc_trim(0)
+
+
+def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, max_bytes: int) -> dict:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    _map_large_buffers()
+    infos = base_tensors(src.base_dir)
+    adapter = src.adapter_dir / "adapter_model.safetensors"
+    if not adapter.is_file():
+        raise RecipeError([f"{adapter} not found (merge reads safetensors adapters only)"], "merge")
+    ad = safe_open(str(adapter), framework="pt")  # small; read one A/B pair at a time anyway
+    pairs = pair_keys(ad.keys())
+    by_weight = {f"{mod}.weight": ab for mod, ab in pairs.items()}
+    missing = sorted(set(by_weight) - {t.name for t in infos})
+    if missing:
+        raise RecipeError([f"the adapter targets {len(missing)} weights the base does not have, e.g. "
+                           f"{missing[0]}: wrong base model?"], "merge")
+    quant, four_bit = None, set()
+    if target == "nf4":
+        quant, four_bit = quant_spec(src.recipe), four_bit_weights(src.base_dir)
+    shards = plan_shards(infos, out_dtype, max_bytes)
+    names = shard_names(len(shards))
+    weight_map, total, scales = {}, 0, {}
+    handle, handle_name = None, None
+    for shard, fname in tqdm(list(zip(shards, names)), desc="merge", unit="shard", disable=None):
+        tensors = {}
+        for t in shard:
+            if handle_name != t.source:  # input shards are visited in order: one open at a time
+                handle, handle_name = safe_open(str(src.base_dir / t.source), framework="pt"), t.source
+            delta = None
+            if t.name in by_weight:
+                ka, kb = by_weight[t.name]
+                a, b = ad.get_tensor(ka), ad.get_tensor(kb)
+                scales[t.name] = scaling(src.adapter_config, t.name.removesuffix(".weight"), a.shape[0])
+                delta = lora_delta(a, b, scales[t.name])
+            tensors[t.name] = merged_tensor(
+                handle.get_tensor(t.name), out_dtype, delta,
+                quant=quant if t.name in four_bit else None,
+                cast_to=quant.dtype if quant is not None else None)
+            weight_map[t.name] = fname
+            total += tensors[t.name].numel() * tensors[t.name].element_size()
+        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        del tensors
+        _release_freed_memory()
+    handle = None
+    if len(names) > 1:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
+    return {"shards": len(names), "bytes": total, "merged_weights": len(scales),
+            "scales": sorted(set(scales.values())), "four_bit_weights": len(four_bit & set(weight_map))}
+
+
+def _write_extras(src: Source, tmp: Path, out_dtype: torch.dtype) -> None:
+    """config (dtype set, no quantization), generation config, tokenizer (the adapter's, which training
+    saved with its chat template; else the base's)."""
+    from transformers import AutoTokenizer
+
+    cfg = json.loads((src.base_dir / "config.json").read_text())
+    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[out_dtype]
+    cfg.pop("torch_dtype", None)
+    cfg["dtype"] = name
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if (src.base_dir / "generation_config.json").is_file():
+        shutil.copyfile(src.base_dir / "generation_config.json", tmp / "generation_config.json")
+    tok_dir = src.adapter_dir if (src.adapter_dir / "tokenizer_config.json").is_file() else src.base_dir
+    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(tmp)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint(src: Source, target: str, dtype: str, max_bytes: int) -> dict:
+    """What the output depends on. Base shards by name and size (hashing a 140 GB base on every run
+    would cost more than the merge); the adapter by content."""
+    base_files = sorted((p.name, p.stat().st_size) for p in src.base_dir.glob("*.safetensors"))
+    fp = {"format": FORMAT_VERSION, "base": src.base_name, "base_files": base_files,
+          "adapter_sha256": _sha256(src.adapter_dir / "adapter_model.safetensors"),
+          "target": target, "dtype": dtype, "max_shard_size": max_bytes}
+    return json.loads(json.dumps(fp))  # the form it takes in merge_info.json, so the two compare equal
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Rename tmp into place. An existing output (only with --force) is moved aside first and deleted
+    after, so at every instant `out` is either the old complete output or the new one."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.rename(out, old)
+    os.rename(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def merge(source, output=None, target: str = "original", dtype: str = "bf16", max_shard_size="5GB",
+          force: bool = False, check: bool = True) -> Path:
+    """Merge the adapter of `source` (run dir or PEFT adapter dir) into its base; returns the output dir."""
+    from finetune.merge.card import model_card
+    from finetune.merge.check import parity_check
+
+    if target not in ("original", "nf4"):
+        raise RecipeError([f"--target: expected original or nf4, got {target!r}"], "merge")
+    if dtype not in DTYPES:
+        raise RecipeError([f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}"], "merge")
+    max_bytes = parse_size(max_shard_size, "--max-shard-size")
+    src = resolve_source(source)
+    out = Path(output).expanduser().resolve() if output else (src.run_dir or src.adapter_dir) / "merged"
+    for inside in (src.adapter_dir, src.base_dir):
+        if inside == out or out in inside.parents:
+            raise RecipeError([f"--output {out} contains the inputs ({inside}); pick another directory"], "merge")
+    fp = fingerprint(src, target, dtype, max_bytes)
+    if out.exists() and any(out.iterdir()) and not force:
+        info = out / "merge_info.json"
+        if info.is_file() and json.loads(info.read_text()).get("inputs") == fp:
+            print(f"merge: {out} is up to date (same adapter, base and settings); nothing to do")
+            return out
+        raise RecipeError([f"output {out} is not empty; pass --force to replace it"], "merge")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        stats = _write_shards(src, tmp, target, DTYPES[dtype], max_bytes)
+        _write_extras(src, tmp, DTYPES[dtype])
+        result = parity_check(src, tmp, target) if check else {"status": "skipped (--no-check)"}
+        print(f"merge: parity {result['status']}" + (f": {result['summary']}" if "summary" in result else ""))
+        (tmp / "README.md").write_text(model_card(src, target, dtype, stats, result))
+        (tmp / "merge_info.json").write_text(json.dumps(
+            {"inputs": fp, "stats": stats, "parity": result}, indent=2, sort_keys=True) + "\n")
+        if result["status"] == "failed":
+            raise RuntimeError(f"merge parity check failed: {result['summary']}; nothing was written to {out}")
+        _replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"merge: wrote {stats['shards']} shard(s), {stats['bytes'] / 1e6:.1f} MB, "
+          f"{stats['merged_weights']} merged weights -> {out}")
+    return out

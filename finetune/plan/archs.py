@@ -1,0 +1,245 @@
+"""Model shapes for the memory planner, read without weights and without importing torch or transformers.
+
+`resolve(name)` finds a model's `config.json` (a local directory, the local Hugging Face cache, or
+`builtin:tiny-llama`) and falls back to a built-in table of common architectures under their hub ids, so a
+70B run can be planned on a laptop with nothing downloaded. The table holds public architecture facts
+(hidden size, layers, heads, KV heads, intermediate size, vocabulary, tied embeddings, MoE experts) in the
+same keys config.json uses, so both paths go through one parser.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+# Keys as in each model's config.json. Base and instruct variants share shapes; aliases are listed below.
+_LLAMA2 = dict(model_type="llama", vocab_size=32000, tie_word_embeddings=False)
+_LLAMA3 = dict(model_type="llama", vocab_size=128256, tie_word_embeddings=False, num_key_value_heads=8)
+_QWEN25 = dict(model_type="qwen2", vocab_size=152064, tie_word_embeddings=False, attention_bias=True)
+# Mixtral 8x7B shares Mistral 7B's dimensions; each expert is one Mistral-sized MLP
+_MISTRAL7B = dict(model_type="mistral", tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336,
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+_GEMMA2 = dict(model_type="gemma2", vocab_size=256000, tie_word_embeddings=True)
+
+TABLE: dict[str, dict] = {
+    "meta-llama/Llama-2-7b-hf": dict(_LLAMA2, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                     num_attention_heads=32, num_key_value_heads=32),
+    "meta-llama/Llama-2-13b-hf": dict(_LLAMA2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                                      num_attention_heads=40, num_key_value_heads=40),
+    "meta-llama/Llama-2-70b-hf": dict(_LLAMA2, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                      num_attention_heads=64, num_key_value_heads=8),
+    "meta-llama/Meta-Llama-3-8B": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                       num_attention_heads=32),
+    "meta-llama/Meta-Llama-3-70B": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                        num_attention_heads=64),
+    "meta-llama/Llama-3.1-405B": dict(_LLAMA3, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                                      num_attention_heads=128),
+    "mistralai/Mistral-7B-v0.1": dict(_MISTRAL7B, vocab_size=32000),
+    "mistralai/Mistral-7B-v0.3": dict(_MISTRAL7B, vocab_size=32768),
+    "mistralai/Mixtral-8x7B-v0.1": dict(_MISTRAL7B, model_type="mixtral", vocab_size=32000, num_local_experts=8,
+                                        num_experts_per_tok=2),
+    "Qwen/Qwen2.5-7B": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                            num_attention_heads=28, num_key_value_heads=4),
+    "Qwen/Qwen2.5-14B": dict(_QWEN25, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                             num_attention_heads=40, num_key_value_heads=8),
+    "Qwen/Qwen2.5-32B": dict(_QWEN25, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                             num_attention_heads=40, num_key_value_heads=8),
+    "Qwen/Qwen2.5-72B": dict(_QWEN25, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
+                             num_attention_heads=64, num_key_value_heads=8),
+    "google/gemma-2-9b": dict(_GEMMA2, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=256),
+    "google/gemma-2-27b": dict(_GEMMA2, hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
+                               num_attention_heads=32, num_key_value_heads=16, head_dim=128),
+    "microsoft/Phi-3-mini-4k-instruct": dict(model_type="phi3", vocab_size=32064, tie_word_embeddings=False,
+                                             hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                                             num_attention_heads=32, num_key_value_heads=32),
+    "01-ai/Yi-34B": dict(model_type="llama", vocab_size=64000, tie_word_embeddings=False, hidden_size=7168,
+                         intermediate_size=20480, num_hidden_layers=60, num_attention_heads=56,
+                         num_key_value_heads=8),
+    # Falcon's "new decoder architecture": fused QKV with 8 KV groups, plain 4x GELU MLP, LayerNorm with bias.
+    "tiiuae/falcon-40b": dict(model_type="falcon", vocab_size=65024, tie_word_embeddings=True, hidden_size=8192,
+                              num_hidden_layers=60, num_attention_heads=128, num_kv_heads=8,
+                              new_decoder_architecture=True),
+}
+
+ALIASES = {
+    "meta-llama/Llama-2-7b-chat-hf": "meta-llama/Llama-2-7b-hf",
+    "meta-llama/Llama-2-13b-chat-hf": "meta-llama/Llama-2-13b-hf",
+    "meta-llama/Llama-2-70b-chat-hf": "meta-llama/Llama-2-70b-hf",
+    "meta-llama/Meta-Llama-3-8B-Instruct": "meta-llama/Meta-Llama-3-8B",
+    "meta-llama/Meta-Llama-3-70B-Instruct": "meta-llama/Meta-Llama-3-70B",
+    "meta-llama/Llama-3.1-8B": "meta-llama/Meta-Llama-3-8B",
+    "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Meta-Llama-3-8B",
+    "meta-llama/Meta-Llama-3.1-8B": "meta-llama/Meta-Llama-3-8B",
+    "meta-llama/Meta-Llama-3.1-8B-Instruct": "meta-llama/Meta-Llama-3-8B",
+    "meta-llama/Llama-3.1-70B": "meta-llama/Meta-Llama-3-70B",
+    "meta-llama/Llama-3.1-70B-Instruct": "meta-llama/Meta-Llama-3-70B",
+    "meta-llama/Meta-Llama-3.1-70B": "meta-llama/Meta-Llama-3-70B",
+    "meta-llama/Meta-Llama-3.1-70B-Instruct": "meta-llama/Meta-Llama-3-70B",
+    "meta-llama/Llama-3.1-405B-Instruct": "meta-llama/Llama-3.1-405B",
+    "meta-llama/Meta-Llama-3.1-405B": "meta-llama/Llama-3.1-405B",
+    "mistralai/Mistral-7B-Instruct-v0.1": "mistralai/Mistral-7B-v0.1",
+    "mistralai/Mistral-7B-Instruct-v0.2": "mistralai/Mistral-7B-v0.1",
+    "mistralai/Mistral-7B-Instruct-v0.3": "mistralai/Mistral-7B-v0.3",
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": "mistralai/Mixtral-8x7B-v0.1",
+    "Qwen/Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B",
+    "Qwen/Qwen2.5-14B-Instruct": "Qwen/Qwen2.5-14B",
+    "Qwen/Qwen2.5-32B-Instruct": "Qwen/Qwen2.5-32B",
+    "Qwen/Qwen2.5-72B-Instruct": "Qwen/Qwen2.5-72B",
+    "google/gemma-2-9b-it": "google/gemma-2-9b",
+    "google/gemma-2-27b-it": "google/gemma-2-27b",
+    "microsoft/Phi-3-mini-128k-instruct": "microsoft/Phi-3-mini-4k-instruct",
+    "01-ai/Yi-34B-Chat": "01-ai/Yi-34B",
+    "tiiuae/falcon-40b-instruct": "tiiuae/falcon-40b",
+}
+
+# Decoder layer class per model_type: what FSDP wraps and checkpointing recomputes.
+LAYER_CLASS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "mixtral": "MixtralDecoderLayer",
+               "qwen2": "Qwen2DecoderLayer", "gemma2": "Gemma2DecoderLayer", "phi3": "Phi3DecoderLayer",
+               "falcon": "FalconDecoderLayer"}
+
+
+@dataclass(frozen=True)
+class Linear:
+    name: str
+    d_in: int
+    d_out: int
+    count: int = 1  # copies per layer (MoE experts)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """The shape facts the planner needs; built from a config.json dict by `from_config`."""
+
+    name: str
+    model_type: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    experts: int = 0
+    experts_per_tok: int = 0
+    qkv_bias: bool = False
+
+    @property
+    def layer_class(self) -> str:
+        return LAYER_CLASS.get(self.model_type, "DecoderLayer")
+
+    @property
+    def norms_per_layer(self) -> int:
+        return 4 if self.model_type == "gemma2" else 2  # Gemma 2 adds pre- and post-feedforward norms
+
+    @property
+    def norm_has_bias(self) -> bool:
+        return self.model_type == "falcon"
+
+    def linears(self) -> list[Linear]:
+        """Every linear layer of one decoder layer, as peft's `all-linear` sees it (the layer names match
+        each architecture's modules, so a target list like [q_proj, v_proj] selects from here)."""
+        h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
+        if self.model_type == "falcon":
+            return [Linear("query_key_value", h, q + 2 * kv), Linear("dense", q, h),
+                    Linear("dense_h_to_4h", h, i), Linear("dense_4h_to_h", i, h)]
+        if self.model_type == "phi3":
+            return [Linear("qkv_proj", h, q + 2 * kv), Linear("o_proj", q, h),
+                    Linear("gate_up_proj", h, 2 * i), Linear("down_proj", i, h)]
+        attn = [Linear("q_proj", h, q), Linear("k_proj", h, kv), Linear("v_proj", h, kv), Linear("o_proj", q, h)]
+        if self.experts:
+            # Planned as separate expert linears (w1 gate, w3 up, w2 down) plus the router.
+            e = self.experts
+            return attn + [Linear("gate", h, e), Linear("w1", h, i, e), Linear("w3", h, i, e), Linear("w2", i, h, e)]
+        return attn + [Linear("gate_proj", h, i), Linear("up_proj", h, i), Linear("down_proj", i, h)]
+
+    def gated_mlp(self) -> bool:
+        return self.model_type != "falcon"
+
+    def params(self) -> int:
+        """Total parameter count (quantizable linears + embeddings + head + norms + biases)."""
+        lin = sum(x.d_in * x.d_out * x.count for x in self.linears()) * self.layers
+        emb = self.vocab * self.hidden * (1 if self.tied else 2)
+        return lin + emb + self.small_params()
+
+    def small_params(self) -> int:
+        """Norm weights (and biases) plus linear biases: tiny, never quantized."""
+        per_norm = self.hidden * (2 if self.norm_has_bias else 1)
+        norms = (self.layers * self.norms_per_layer + 1) * per_norm
+        bias = self.layers * (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        return norms + bias
+
+
+def from_config(cfg: dict, name: str = "") -> Arch:
+    """Parse a config.json dict (the keys differ a little between families)."""
+    g = cfg.get
+    hidden = g("hidden_size") or g("n_embd") or g("d_model")
+    layers = g("num_hidden_layers") or g("n_layer") or g("num_layers")
+    heads = g("num_attention_heads") or g("n_head")
+    if not (hidden and layers and heads):
+        raise ValueError(f"{name or 'config'}: no hidden_size / num_hidden_layers / num_attention_heads")
+    mt = g("model_type", "llama")
+    if mt == "falcon":
+        kv = (g("num_kv_heads") or g("n_head_kv") or 1) if g("new_decoder_architecture") or g("multi_query") \
+            else heads
+        inter = g("ffn_hidden_size") or 4 * hidden
+    else:
+        kv = g("num_key_value_heads") or heads
+        inter = g("intermediate_size") or 4 * hidden
+    head_dim = g("head_dim") or hidden // heads
+    tied = g("tie_word_embeddings")
+    if tied is None:
+        tied = mt in ("falcon", "gemma", "gemma2")
+    return Arch(name=name, model_type=mt, hidden=int(hidden), layers=int(layers), heads=int(heads),
+                kv_heads=int(kv), head_dim=int(head_dim), intermediate=int(inter), vocab=int(g("vocab_size")),
+                tied=bool(tied), experts=int(g("num_local_experts") or 0),
+                experts_per_tok=int(g("num_experts_per_tok") or 0),
+                qkv_bias=bool(g("attention_bias") or mt == "qwen2"))
+
+
+def _hf_cache_config(repo_id: str) -> Path | None:
+    """config.json of a hub model already in the local HF cache (newest snapshot), without network."""
+    hub = Path(os.environ.get("HF_HUB_CACHE") or Path(os.environ.get("HF_HOME", Path.home() / ".cache" /
+                                                                     "huggingface")) / "hub")
+    snaps = hub / ("models--" + repo_id.replace("/", "--")) / "snapshots"
+    if not snaps.is_dir():
+        return None
+    found = sorted(snaps.glob("*/config.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    return found[0] if found else None
+
+
+def find_config(name: str) -> tuple[dict | None, str]:
+    """(config dict or None, where it came from)."""
+    if name.startswith("builtin:"):
+        from finetune.util import builtin as tiny  # light: imports torch only when the model is first built
+
+        builder = tiny.BUILTIN_MODELS.get(name)
+        if builder is None:
+            return None, f"unknown builtin model {name!r}; known: {', '.join(tiny.BUILTIN_MODELS)}"
+        path = Path(builder()) / "config.json"
+        return json.loads(path.read_text()), str(path)
+    local = Path(name).expanduser()
+    if (local / "config.json").is_file():
+        return json.loads((local / "config.json").read_text()), str(local / "config.json")
+    cached = _hf_cache_config(name)
+    if cached:
+        return json.loads(cached.read_text()), str(cached)
+    key = ALIASES.get(name, name)
+    if key in TABLE:
+        return dict(TABLE[key]), f"built-in table ({key})"
+    lowered = {k.lower(): k for k in list(TABLE) + list(ALIASES)}
+    if name.lower() in lowered:
+        return find_config(lowered[name.lower()])
+    return None, "not found"
+
+
+def resolve(name: str) -> tuple[Arch, str]:
+    """Arch for a model name, or ValueError naming where we looked and what is known."""
+    cfg, where = find_config(name)
+    if cfg is None:
+        known = ", ".join(sorted(TABLE))
+        raise ValueError(f"model {name!r}: {where}: no config.json in a local directory or the HF cache, and not "
+                         f"in the built-in table ({known})")
+    return from_config(cfg, name), where

@@ -1,0 +1,380 @@
+"""Memory planner: per-device GPU memory and per-machine CPU RAM of a QLoRA run, from shapes alone.
+
+Reads only JSON (a model's config.json, or the built-in table in `archs`), never weights, and imports
+neither torch nor transformers, so a 405B plan answers in well under a second.
+
+Every term is counted the way the libraries lay memory out (bitsandbytes' packed 4-bit storage and
+blockwise constants, peft's adapter tensors, bitsandbytes' 8-bit optimizer state with its 4096-element
+threshold, FSDP's all-gather of one layer plus the next while the root stays gathered). The activation
+terms follow what autograd saves for a Llama-style layer with LoRA on bnb 4-bit linears (see
+`layer_saved_bytes`); tests/integration/test_estimate_measured.py measures them with saved-tensor hooks.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from finetune.plan.archs import Arch, resolve
+from finetune.plan.attention import uses_cpu_math_kernel
+from finetune.util.units import GiB, fmt
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
+MP_BYTES = {"bf16": 2, "fp16": 2, "no": 4}
+CUDA_CONTEXT = GiB // 2  # CUDA context, kernels and cuBLAS workspace: not visible to torch's allocator
+NCCL_BUFFERS = GiB // 4  # communicator buffers once there is more than one process
+FRAGMENTATION = 0.10  # caching-allocator slack on top of what tensors occupy
+PROCESS_RAM = 3 * GiB // 2  # resident size of one Python process with torch, CUDA libs and transformers
+SHARD_FILE = 5 * 10**9  # hub checkpoints are cut in ~5 GB safetensors shards; loading holds one at a time
+BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit optimizer state for tensors smaller than this
+
+
+@dataclass
+class Setup:
+    """Everything a plan depends on. `from_recipe` fills it from a recipe; CLI flags override fields."""
+
+    model: str = "builtin:tiny-llama"
+    gpus: int = 1  # processes (GPUs) in total, over all machines
+    machines: int = 1
+    gpu_memory: int | None = None
+    seq_len: int = 512
+    micro_batch: int = 1
+    lora_r: int = 16
+    lora_targets: object = "all-linear"
+    lora_dtype: str = "float32"
+    lora_dropout: float = 0.05
+    quant: str = "nf4"
+    double_quant: bool = True
+    quant_storage: str = "float32"
+    model_dtype: str = "float32"
+    mixed_precision: str = "bf16"
+    optimizer: str = "paged_adamw_8bit"
+    strategy: str = "single"
+    fsdp_version: int = 2
+    sharding: str = "FULL_SHARD"
+    reshard_after_forward: bool | None = None
+    offload: bool = False
+    cpu_ram_efficient_loading: bool = True
+    low_cpu_mem_usage: bool = True
+    checkpointing: bool = True
+    attn: str = "sdpa"
+    device: str = "cuda"  # "cpu" plans a CPU run (no CUDA context; CPU dropout keeps a full-width mask)
+
+    @property
+    def world(self) -> int:
+        return self.gpus
+
+    @property
+    def per_machine(self) -> int:
+        return max(1, self.gpus // self.machines)
+
+
+def from_recipe(recipe) -> Setup:
+    m, q, lo, t, d, f = recipe.model, recipe.quantization, recipe.lora, recipe.train, recipe.distributed, recipe.fsdp
+    procs = d.num_processes or 1
+    return Setup(model=m.name, gpus=procs, machines=d.num_machines,
+                 seq_len=recipe.data.max_seq_len, micro_batch=t.micro_batch_size, lora_r=lo.r,
+                 lora_targets=lo.target_modules, lora_dtype=lo.dtype, lora_dropout=lo.dropout, quant=q.mode,
+                 double_quant=q.double_quant, quant_storage=recipe.effective_quant_storage(),
+                 model_dtype=m.dtype, mixed_precision=t.mixed_precision, optimizer=t.optimizer, strategy=d.strategy,
+                 fsdp_version=f.version, sharding=f.sharding_strategy, reshard_after_forward=f.reshard_after_forward,
+                 offload=f.cpu_offload and d.strategy == "fsdp", cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
+                 low_cpu_mem_usage=m.low_cpu_mem_usage, checkpointing=m.gradient_checkpointing,
+                 attn=m.attn_implementation)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Weights
+
+
+def packed_4bit_bytes(numel: int, storage: str) -> int:
+    # bitsandbytes packs two 4-bit codes per byte into a tensor of `storage` dtype: ((n + 1) // (2 * size), 1).
+    size = DTYPE_BYTES[storage]
+    return ((numel + 1) // (2 * size)) * size
+
+
+def quant_constant_bytes(numel: int, double_quant: bool, blocksize: int = 64) -> int:
+    """Blockwise absmax of one 4-bit tensor. Double quantization stores each absmax as one byte, with an
+    fp32 scale per 256 absmax values and one fp32 offset (0.127 instead of 0.5 bits per parameter)."""
+    blocks = -(-numel // blocksize)
+    code = 16 * 4  # the 16-entry NF4/FP4 code table each quant state carries
+    if not double_quant:
+        return blocks * 4 + code
+    return blocks + (-(-blocks // 256)) * 4 + 4 + code
+
+
+def targeted(arch: Arch, targets) -> list:
+    if targets == "all-linear":
+        return arch.linears()
+    wanted = set(targets)
+    return [x for x in arch.linears() if x.name in wanted]
+
+
+def lora_tensor_sizes(arch: Arch, s: Setup) -> list[int]:
+    """Element counts of every adapter tensor (A: r x in, B: out x r) in the whole model."""
+    sizes = []
+    for x in targeted(arch, s.lora_targets):
+        sizes += [s.lora_r * x.d_in, x.d_out * s.lora_r] * x.count
+    return sizes * arch.layers
+
+
+def weight_terms(arch: Arch, s: Setup) -> dict[str, int]:
+    """Whole-model bytes of each weight category (before sharding)."""
+    lin = [x.d_in * x.d_out for x in arch.linears() for _ in range(x.count)] * arch.layers
+    mb = DTYPE_BYTES[s.model_dtype]
+    if s.quant in ("nf4", "fp4"):
+        base = sum(packed_4bit_bytes(n, s.quant_storage) for n in lin)
+        consts = sum(quant_constant_bytes(n, s.double_quant) for n in lin)
+    elif s.quant == "int8":
+        base = sum(lin)
+        consts = sum(x.d_out * 4 for x in arch.linears() for _ in range(x.count)) * arch.layers  # per-row scale
+    else:
+        base, consts = sum(lin) * mb, 0
+    emb = arch.vocab * arch.hidden * (1 if arch.tied else 2)
+    return {"base_4bit": base, "quant_constants": consts, "unquantized": (emb + arch.small_params()) * mb,
+            "lora": sum(lora_tensor_sizes(arch, s)) * DTYPE_BYTES[s.lora_dtype]}
+
+
+def optimizer_terms(arch: Arch, s: Setup, shard: int) -> dict[str, int]:
+    """AdamW state (two moments). bitsandbytes 8-bit: one byte per moment plus an fp32 absmax per 256
+    values, but tensors under 4096 elements keep fp32 moments; torch AdamW keeps them in the param dtype."""
+    sizes = lora_tensor_sizes(arch, s)
+    if s.strategy == "fsdp" and s.fsdp_version == 1:
+        sizes = [sum(sizes) // arch.layers] * arch.layers  # FSDP1: one flat parameter per wrapped layer
+    sizes = [-(-n // shard) for n in sizes]
+    if s.optimizer == "adamw_torch":
+        return {"optimizer_8bit": 0, "optimizer_32bit": sum(sizes) * 2 * DTYPE_BYTES[s.lora_dtype]}
+    small = sum(n for n in sizes if n < BNB_MIN_8BIT)
+    big = [n for n in sizes if n >= BNB_MIN_8BIT]
+    eight = sum(2 * n + 2 * 4 * -(-n // 256) for n in big)
+    return {"optimizer_8bit": eight, "optimizer_32bit": small * 2 * 4}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Activations
+
+
+def lora_linear_saved(tokens: int, d_in: int, d_out: int, r: int, s: Setup) -> int:
+    """Saved for backward by one LoRA-wrapped 4-bit linear. The frozen 4-bit matmul keeps only the weight;
+    the adapter path keeps the dropout mask, the compute-dtype input of A, the input of B and the
+    autocast copies of A and B."""
+    cb = MP_BYTES[s.mixed_precision]
+    total = tokens * d_in * cb + tokens * r * cb
+    if s.lora_dropout > 0:
+        # CUDA's fused dropout keeps a bool mask; CPU keeps a mask of the (adapter-cast) input's dtype.
+        # (peft casts the input to the adapter dtype first when it sees no CUDA autocast, as on CPU).
+        total += tokens * d_in * (1 if s.device == "cuda" else DTYPE_BYTES[s.lora_dtype])
+    if DTYPE_BYTES[s.lora_dtype] != cb:
+        total += r * (d_in + d_out) * cb
+    return total
+
+
+def layer_saved_bytes(arch: Arch, s: Setup, batch: int, seq: int) -> int:
+    """Bytes autograd keeps for one decoder layer (no checkpointing)."""
+    t, h, i = batch * seq, arch.hidden, arch.intermediate
+    ab = DTYPE_BYTES[s.model_dtype]  # residual stream dtype
+    cb = MP_BYTES[s.mixed_precision]
+    total = arch.norms_per_layer * (t * h * 4 + t * 4)  # RMSNorm upcasts to fp32 and keeps it + rsqrt
+    names = {x.name for x in targeted(arch, s.lora_targets)}
+    for x in arch.linears():
+        if x.name in names:
+            n_tok = t * arch.experts_per_tok // x.count if x.count > 1 else t  # routed tokens per expert
+            total += lora_linear_saved(n_tok, x.d_in, x.d_out, s.lora_r, s) * x.count
+    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    if s.attn == "sdpa" and uses_cpu_math_kernel(s.device, s.mixed_precision, s.seq_len):
+        # SDPA's math kernel (finetune.attention) upcasts q, k and v (repeated to all heads) to fp32
+        # and keeps those with the fp32 probabilities, in place of the bf16 q, k, v and output
+        total += 3 * t * q * 4 + batch * arch.heads * seq * seq * 4
+    else:
+        if s.attn == "eager":
+            kv = q  # eager repeats K/V to all heads, then keeps fp32 probabilities and their cast copy
+            total += batch * arch.heads * seq * seq * (4 + cb)
+        total += t * (2 * q + 2 * kv) * cb + batch * arch.heads * seq * 4  # q, k, v, output + logsumexp
+    inter = t * arch.experts_per_tok if arch.experts else t
+    total += inter * i * ab * (3 if arch.gated_mlp() else 1)  # act input, act output and up (gated)
+    if arch.experts:
+        total += t * arch.experts * 4 * 2  # router logits and softmax
+    return total
+
+
+def head_saved_bytes(arch: Arch, s: Setup, batch: int, seq: int) -> int:
+    t, h, v = batch * seq, arch.hidden, arch.vocab
+    cb = MP_BYTES[s.mixed_precision]
+    cast_head = v * h * cb if DTYPE_BYTES[s.model_dtype] != cb else 0  # autocast copy of the frozen lm_head
+    return t * h * 4 + t * 4 + cast_head + t * v * 4 + t * 8  # final norm, fp32 log-probs, targets
+
+
+def first_layer_discount(arch: Arch, s: Setup, tokens: int) -> int:
+    """The first layer's input (the frozen embedding's output) needs no gradient, so its input norm and
+    the dropout on the attention projections it feeds save nothing."""
+    saved = tokens * arch.hidden * 4 + tokens * 4
+    if s.lora_dropout > 0:
+        mask = 1 if s.device == "cuda" else DTYPE_BYTES[s.lora_dtype]
+        attn_in = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"}
+        n = sum(1 for x in targeted(arch, s.lora_targets) if x.name in attn_in)
+        if arch.model_type == "falcon":  # parallel attention: the MLP reads the same norm output
+            n += sum(1 for x in targeted(arch, s.lora_targets) if x.name == "dense_h_to_4h")
+        saved += n * tokens * arch.hidden * mask
+    return saved
+
+
+def activation_terms(arch: Arch, s: Setup) -> dict[str, int]:
+    b, L = s.micro_batch, s.seq_len
+    per_layer = layer_saved_bytes(arch, s, b, L)
+    rope = 2 * L * arch.head_dim * 4  # cos/sin tables, shared by all layers
+    if s.checkpointing:
+        held = arch.layers * b * L * arch.hidden * DTYPE_BYTES[s.model_dtype]  # each layer's input
+        layers = held + rope + per_layer  # plus one layer recomputed during backward
+    else:
+        held, layers = 0, arch.layers * per_layer + rope - first_layer_discount(arch, s, b * L)
+    # Logits and their fp32 upcast for the loss, planned for every position: the bound for data with no
+    # masked prompt. The loop runs the head on trained positions only (train.trained_rows_only), so
+    # prompt-masked instruction data needs less.
+    logits_transient = b * L * arch.vocab * (MP_BYTES[s.mixed_precision] + 4)
+    return {"activations": layers, "logits_loss": head_saved_bytes(arch, s, b, L) + logits_transient,
+            "_held": held + rope, "_per_layer": per_layer, "_head_saved": head_saved_bytes(arch, s, b, L)}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class Plan:
+    setup: Setup
+    arch: Arch
+    source: str
+    breakdown: dict = field(default_factory=dict)  # GPU bytes per device, by category
+    cpu: dict = field(default_factory=dict)  # CPU bytes per machine, by phase
+    notes: list = field(default_factory=list)
+
+    @property
+    def gpu_bytes_per_device(self) -> int:
+        return sum(self.breakdown.values())
+
+    @property
+    def cpu_bytes_peak(self) -> int:
+        return max(self.cpu.values())
+
+    def fits(self) -> bool | None:
+        g = self.setup.gpu_memory
+        return None if g is None or self.setup.device != "cuda" else self.gpu_bytes_per_device <= g
+
+    def to_json(self) -> dict:
+        return {"model": self.setup.model, "source": self.source, "gpu_bytes_per_device": self.gpu_bytes_per_device,
+                "cpu_bytes_peak": self.cpu_bytes_peak, "cpu_peak_phase": max(self.cpu, key=self.cpu.get),
+                "breakdown": dict(self.breakdown), "cpu_bytes": dict(self.cpu), "fits": self.fits(),
+                "gpu_memory": self.setup.gpu_memory, "params": self.arch.params(),
+                "trainable_params": sum(lora_tensor_sizes(self.arch, self.setup)), "notes": list(self.notes),
+                "setup": {k: v for k, v in asdict(self.setup).items()}}
+
+
+def _shards(s: Setup) -> int:
+    if s.strategy != "fsdp" or s.sharding == "NO_SHARD":
+        return 1
+    return s.per_machine if s.sharding == "HYBRID_SHARD" else s.world
+
+
+def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
+    """Unsharded copies FSDP all-gathers: the current layer and the prefetched next one, and the root
+    (embeddings, final norm, lm_head), which stays gathered from forward through backward."""
+    if s.strategy != "fsdp" or shard == 1:
+        return 0
+    per_layer = (w["base_4bit"] + w["lora"]) // arch.layers
+    keep_all = s.reshard_after_forward is False or s.sharding == "SHARD_GRAD_OP"
+    layers = arch.layers if keep_all else 2
+    grads = 2 * w["lora"] // arch.layers  # unsharded gradients before reduce-scatter
+    local = 0 if s.offload else w["unquantized"] // shard  # the local shard is already counted on the GPU
+    return layers * per_layer + grads + w["unquantized"] - local
+
+
+def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
+    if arch is None:
+        arch, source = resolve(s.model)
+    shard = _shards(s)
+    w = weight_terms(arch, s)
+    p = Plan(setup=s, arch=arch, source=source)
+    on_gpu = 0 if s.offload else 1
+    bd = p.breakdown
+    bd["base_4bit"] = on_gpu * -(-w["base_4bit"] // shard)
+    bd["quant_constants"] = w["quant_constants"]  # bnb quant state is not a parameter: every rank holds it all
+    bd["unquantized"] = on_gpu * -(-w["unquantized"] // shard)
+    bd["lora"] = on_gpu * -(-w["lora"] // shard)
+    grads = -(-w["lora"] // shard)
+    bd["gradients"] = on_gpu * grads * (2 if s.strategy == "ddp" and s.world > 1 else 1)  # DDP buckets
+    opt = optimizer_terms(arch, s, shard)
+    bd["optimizer_8bit"] = on_gpu * opt["optimizer_8bit"]
+    bd["optimizer_32bit"] = on_gpu * opt["optimizer_32bit"]
+    act = activation_terms(arch, s)
+    bd["activations"] = act["activations"]
+    bd["logits_loss"] = act["logits_loss"]
+    bd["fsdp_buffers"] = _fsdp_buffers(arch, s, w, shard)
+    biggest = max(x.d_in * x.d_out for x in arch.linears())
+    bd["dequant_workspace"] = biggest * MP_BYTES[s.mixed_precision] if s.quant != "none" else 0
+    if s.device == "cuda":
+        bd["framework_overhead"] = int(FRAGMENTATION * sum(bd.values())) + CUDA_CONTEXT + \
+            (NCCL_BUFFERS if s.world > 1 else 0)
+    else:
+        bd["framework_overhead"] = 0
+    p.cpu = cpu_phases(arch, s, w, opt, grads)
+    _notes(p, w)
+    return p
+
+
+def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str, int]:
+    """Peak CPU RAM per machine in each phase."""
+    procs = s.per_machine
+    base = procs * PROCESS_RAM
+    quantized = w["base_4bit"] + w["quant_constants"] + w["unquantized"]
+    shard_bf16 = min(SHARD_FILE, arch.params() * 2)
+    loaders = 1 if (s.strategy == "fsdp" and s.cpu_ram_efficient_loading) or procs == 1 else procs
+    # A loader reads one checkpoint shard at a time; on the FSDP path it also holds the quantized model
+    # until the shards are handed out. Without low_cpu_mem_usage a random-init full-precision model
+    # comes first (transformers #31577), once per loading process.
+    held = quantized if s.strategy == "fsdp" else 0
+    load = loaders * (shard_bf16 + held)
+    if not s.low_cpu_mem_usage:
+        load += loaders * arch.params() * DTYPE_BYTES[s.model_dtype]
+    phases = {"loading": base + load}
+    machine_share = s.per_machine / s.world
+    if s.offload:
+        opt_total = (opt["optimizer_8bit"] + opt["optimizer_32bit"]) * s.world
+        sharded = quantized + w["lora"] + grads * s.world + opt_total
+        phases["training"] = base + int(sharded * machine_share)
+    else:
+        phases["training"] = base
+    opt_all = (opt["optimizer_8bit"] + opt["optimizer_32bit"]) * _shards(s)
+    phases["saving"] = base + w["lora"] + int(opt_all * machine_share)  # gathered adapter + this machine's state
+    # The streaming merge holds one bf16 input shard, its merged copy and the adapter.
+    phases["merging"] = PROCESS_RAM + 2 * shard_bf16 + sum(lora_tensor_sizes(arch, s)) * 4
+    return phases
+
+
+def _notes(p: Plan, w: dict):
+    s = p.setup
+    if s.offload:
+        p.notes.append("fsdp.cpu_offload: sharded weights, gradients and optimizer state live in CPU RAM")
+    if s.device == "cuda" and s.attn == "eager":
+        p.notes.append("eager attention keeps the seq_len x seq_len probabilities of every head")
+    fit = p.fits()
+    if fit is False:
+        p.notes.append(f"does not fit: {fmt(p.gpu_bytes_per_device)} planned per GPU, {fmt(s.gpu_memory)} available")
+
+
+def render(p: Plan) -> str:
+    s = p.setup
+    lines = [f"plan for {s.model} ({p.source}): {p.arch.params() / 1e9:.2f}B params, "
+             f"{sum(lora_tensor_sizes(p.arch, s)) / 1e6:.1f}M trainable",
+             f"  {s.world} process(es) on {s.machines} machine(s), strategy {s.strategy}"
+             + (f" (FSDP{s.fsdp_version}{', cpu offload' if s.offload else ''})" if s.strategy == "fsdp" else "")
+             + f", micro-batch {s.micro_batch} x seq {s.seq_len}, checkpointing {'on' if s.checkpointing else 'off'}",
+             f"GPU memory per device: {fmt(p.gpu_bytes_per_device)}"]
+    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.breakdown.items()]
+    phase = max(p.cpu, key=p.cpu.get)
+    lines.append(f"CPU RAM per machine: {fmt(p.cpu_bytes_peak)} peak ({phase})")
+    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.cpu.items()]
+    fit = p.fits()
+    if fit is not None:
+        spare = s.gpu_memory - p.gpu_bytes_per_device
+        lines.append(f"fits in {fmt(s.gpu_memory)}: {'yes' if fit else 'NO'} "
+                     f"({'spare' if fit else 'short by'} {fmt(abs(spare))})")
+    lines += [f"note: {n}" for n in p.notes]
+    return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""The whole preflight, before any weights load or any GPU is paid for (`finetune validate`, and training).
+
+Pure rules (settings that contradict each other) live in `recipe.contract_problems`. This module adds what
+depends on the world outside the recipe: the model's shapes (config.json or the built-in table), the
+launcher's environment, whether flash-attn and GPUs are there, and whether the plan fits in memory.
+Training calls `preflight` with the same rules before it loads weights; it also checks that the output
+directory can be written and its disk holds the checkpoints the recipe keeps (finetune.plan.disk).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import replace
+
+from finetune.plan import estimate as E
+from finetune.util.units import fmt
+from finetune.plan.disk import output_problems
+from finetune.plan.launcher import launcher_problems
+from finetune.util.errors import Problem
+from finetune.recipe import Recipe, contract_problems
+from finetune.util.devices import cuda_facts
+
+LAUNCH_VARS = ("WORLD_SIZE", "LOCAL_RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION")
+
+
+def _launched(env) -> bool:
+    return any(k in env for k in LAUNCH_VARS)
+
+
+def model_problems(r: Recipe) -> tuple[list[Problem], object]:
+    """Problems found from the model's shapes; also returns the Arch (or None)."""
+    from finetune.plan.archs import resolve
+
+    try:
+        arch, _ = resolve(r.model.name)
+    except (ValueError, OSError) as e:
+        return [Problem(level="warning", path="model.name", message=f"cannot read its shapes: {e}",
+                        fix="put the model in the HF cache or give a local directory; memory is not checked")], None
+    out = []
+    targets = r.lora.target_modules
+    if isinstance(targets, list):
+        names = {x.name for x in arch.linears()}
+        missing = [t for t in targets if t not in names and t not in ("lm_head", "embed_tokens")]
+        if missing:
+            out.append(Problem(level="error", path="lora.target_modules",
+                               message=f"{', '.join(missing)} not in a {arch.model_type} layer (it has "
+                                       f"{', '.join(sorted(names))})", fix="use those names, or all-linear"))
+    return out, arch
+
+
+def code_problems(r: Recipe) -> list[Problem]:
+    """A model whose config maps to its own Python code (`auto_map`) runs that code when loaded: only
+    with model.trust_remote_code. Pickle-only weights are refused at load time (model.allow_pickle)."""
+    from finetune.plan.archs import find_config
+
+    try:
+        cfg, where = find_config(r.model.name)
+    except (ValueError, OSError):
+        return []
+    if not cfg or not cfg.get("auto_map") or r.model.trust_remote_code:
+        return []
+    # Imported only here (seconds): a model that ships code is rare.
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    code = ", ".join(sorted(map(str, cfg["auto_map"])))
+    if cfg.get("model_type") in CONFIG_MAPPING_NAMES:
+        return [Problem(level="warning", path="model.trust_remote_code",
+                        message=f"{where} ships its own Python code ({code}); it is not run: transformers' built-in "
+                                f"{cfg['model_type']} implementation is used", fix="nothing, unless you need that code")]
+    return [Problem(level="error", path="model.trust_remote_code",
+                    message=f"{where} needs the model's own Python code ({code}), which would run on load",
+                    fix="read that code, then set model.trust_remote_code: true if you trust it")]
+
+
+def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
+    out: list[Problem] = []
+    m, d = r.model, r.distributed
+    needs_gpu_info = launched or m.attn_implementation == "flash_attention_2" or d.backend == "nccl"
+    count, bf16_ok, _ = cuda_facts() if needs_gpu_info else (None, None, None)
+    if m.attn_implementation == "flash_attention_2":
+        if importlib.util.find_spec("flash_attn") is None or not count:
+            why = "no CUDA GPU" if not count else "the flash-attn package is not installed"
+            out.append(Problem(level="warning", path="model.attn_implementation",
+                               message=f"flash_attention_2 requested but {why}: training falls back to sdpa",
+                               fix="set model.attn_implementation: sdpa (or install flash-attn on a CUDA machine)"))
+    if d.backend == "nccl" and not count:
+        out.append(Problem(level="error", path="distributed.backend", message="nccl needs CUDA GPUs and none is "
+                           "visible", fix="set distributed.backend: auto (gloo on CPU)"))
+    if launched and count:
+        local = int(env.get("LOCAL_WORLD_SIZE", "1") or 1)
+        if local > count:
+            out.append(Problem(level="error", path="distributed.num_processes",
+                               message=f"{local} processes on this machine but only {count} GPU(s)",
+                               fix=f"launch at most {count} processes per machine"))
+        if r.train.mixed_precision == "bf16" and not bf16_ok:
+            out.append(Problem(level="error", path="train.mixed_precision",
+                               message="this GPU has no bf16 (pre-Ampere)",
+                               fix="set train.mixed_precision: fp16 and quantization.compute_dtype: float16"))
+    if launched and not count and d.strategy == "fsdp" and (r.fsdp.cpu_ram_efficient_loading or r.fsdp.sync_module_states):
+        out.append(Problem(level="error", path="fsdp.cpu_ram_efficient_loading",
+                           message="no GPU: Accelerate's FSDP plugin cannot broadcast module states (rank-0 loading) "
+                                   "without an accelerator", fix="set fsdp.cpu_ram_efficient_loading: false and "
+                                                                  "fsdp.sync_module_states: false on CPU"))
+    if launched:
+        out += launcher_problems(r, env)
+    return out
+
+
+def _fit_fixes(s: E.Setup, arch, budget: int) -> str:
+    """Concrete ways to fit, each checked by re-planning."""
+    fixes = []
+    for b in range(s.micro_batch - 1, 0, -1):
+        if E.build(replace(s, micro_batch=b), arch, "").gpu_bytes_per_device <= budget:
+            fixes.append(f"train.micro_batch_size: {b} (raise gradient_accumulation_steps to keep the batch)")
+            break
+    trials = [("model.gradient_checkpointing: true", dict(checkpointing=True)),
+              ("fsdp.cpu_offload: true", dict(offload=True, strategy="fsdp")),
+              (f"distributed.num_processes: {2 * s.world} (strategy fsdp)", dict(gpus=2 * s.world, strategy="fsdp")),
+              (f"data.max_seq_len: {s.seq_len // 2}", dict(seq_len=s.seq_len // 2))]
+    for text, change in trials:
+        if all(getattr(s, k) == v for k, v in change.items()):
+            continue
+        if E.build(replace(s, **change), arch, "").gpu_bytes_per_device <= budget:
+            fixes.append(text)
+    return "; or ".join(fixes) if fixes else "use GPUs with more memory"
+
+
+def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, cpu_memory: int | None) -> list[Problem]:
+    s = E.from_recipe(r)
+    if gpus:
+        s = replace(s, gpus=gpus)
+        if gpus > 1 and s.strategy == "single":
+            s = replace(s, strategy="fsdp")
+    s = replace(s, gpu_memory=gpu_memory)
+    plan = E.build(s, arch, "")
+    out = []
+    if gpu_memory and plan.gpu_bytes_per_device > gpu_memory:
+        out.append(Problem(level="error", path="train.micro_batch_size",
+                           message=f"planned {fmt(plan.gpu_bytes_per_device)} per GPU (micro-batch {s.micro_batch} x "
+                                   f"{s.seq_len} tokens on {s.world} GPU(s)) does not fit in {fmt(gpu_memory)}",
+                           fix=_fit_fixes(s, arch, gpu_memory)))
+    if cpu_memory and plan.cpu_bytes_peak > cpu_memory:
+        phase = max(plan.cpu, key=plan.cpu.get)
+        out.append(Problem(level="error", path="fsdp.cpu_ram_efficient_loading" if phase == "loading" else
+                           "fsdp.cpu_offload", message=f"planned {fmt(plan.cpu_bytes_peak)} of CPU RAM while {phase} "
+                           f"does not fit in {fmt(cpu_memory)}",
+                           fix=_cpu_fix(r, phase)))
+    return out
+
+
+def _cpu_fix(recipe: Recipe, phase: str) -> str:
+    """Only suggest switches that are still off; otherwise the machine needs more memory."""
+    off = []
+    if phase == "loading":
+        if not recipe.fsdp.cpu_ram_efficient_loading and recipe.distributed.strategy == "fsdp":
+            off.append("fsdp.cpu_ram_efficient_loading: true")
+        if not recipe.model.low_cpu_mem_usage:
+            off.append("model.low_cpu_mem_usage: true")
+    elif recipe.fsdp.cpu_offload:
+        off.append("fsdp.cpu_offload: false (if the GPUs can hold the shards)")
+    return ("set " + " and ".join(off) + ", or add RAM/swap") if off else "use machines with more RAM (or add swap)"
+
+
+def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = None, *, env=None,
+              launched: bool | None = None, cpu_memory: int | None = None) -> list[Problem]:
+    """Every problem with this recipe here and now: contract, model shapes, launcher environment, GPUs,
+    memory fit. `gpus` is the total process count (default: the recipe's, or the launcher's); `gpu_memory`
+    the bytes of one GPU (default: the visible GPU's when launched). Errors first."""
+    env = os.environ if env is None else env
+    launched = _launched(env) if launched is None else launched
+    out = list(contract_problems(recipe))
+    found, arch = model_problems(recipe)
+    out += found
+    out += code_problems(recipe)
+    out += environment_problems(recipe, env, launched)
+    if launched and gpus is None and env.get("WORLD_SIZE"):
+        gpus = int(env["WORLD_SIZE"])
+    if launched and gpu_memory is None:
+        gpu_memory = cuda_facts()[2]
+    if arch is not None:
+        out += memory_problems(recipe, arch, gpus, gpu_memory, cpu_memory)
+    # Unwritable output or too little disk for the checkpoints: found now, not at the first save hours in.
+    out += output_problems(recipe, arch, gpus or recipe.distributed.num_processes or 1)
+    return sorted(out, key=lambda p: p.level != "error")
+
+
+def render(problems: list[Problem]) -> str:
+    return "\n".join(f"{p.level}: {p.render()}" for p in problems)

@@ -1,0 +1,173 @@
+"""Recipe loading: YAML -> dict -> key=value overrides -> validated `Recipe`, with every error at once.
+
+Each problem carries its dotted path (``lora.r``) and, for misspelt keys, a did-you-mean.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from finetune.recipe.schema import Recipe
+from finetune.util.errors import RecipeError
+
+
+def _suggest(word: str, candidates) -> str:
+    match = difflib.get_close_matches(str(word), [str(c) for c in candidates], n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _model_at(path: tuple) -> type[BaseModel] | None:
+    """The pydantic section class found at a dotted path, to list valid keys for suggestions."""
+    cls: Any = Recipe
+    for part in path:
+        if isinstance(part, int):
+            continue
+        fld = getattr(cls, "model_fields", {}).get(part)
+        if fld is None:
+            return None
+        ann = fld.annotation
+        inner = getattr(ann, "__args__", None)
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        elif inner and isinstance(inner[0], type) and issubclass(inner[0], BaseModel):
+            cls = inner[0]
+        else:
+            return None
+    return cls
+
+
+def _format_errors(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors(include_url=False):
+        loc = tuple(x for x in e["loc"] if x not in ("function-after[_contract()]",))
+        dotted = ".".join(str(x) for x in loc)
+        kind = e["type"]
+        if kind == "extra_forbidden":
+            parent = _model_at(loc[:-1])
+            known = list(parent.model_fields) if parent else []
+            where = ".".join(str(x) for x in loc[:-1]) or "top level"
+            what = "section" if len(loc) == 1 else "key"
+            out.append(f"{dotted}: unknown {what}{_suggest(loc[-1], known)}; valid keys in {where}: "
+                       f"{', '.join(known)}")
+        elif kind == "value_error" and e.get("ctx", {}).get("error") and not loc:
+            out.extend(str(e["ctx"]["error"]).splitlines())
+        else:
+            msg = e["msg"]
+            got = e.get("input")
+            shown = "" if isinstance(got, (dict, list)) or got is None else f" (got {got!r})"
+            out.append(f"{dotted or 'recipe'}: {msg}{shown}")
+    # Literal unions report one line per alternative; keep the first per path.
+    seen, dedup = set(), []
+    for line in out:
+        key = line.split(":", 1)[0]
+        if key in seen and "unknown" not in line:
+            continue
+        seen.add(key)
+        dedup.append(line)
+    return dedup
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise RecipeError([f"override '{text}': expected key=value, e.g. train.max_steps=5"])
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise RecipeError([f"override '{text}': empty key"])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except (yaml.YAMLError, RecursionError):  # not YAML (or nested past the parser's limit): a plain string
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    problems = []
+    for text in overrides:
+        try:
+            parts, value = parse_override(text)
+        except RecipeError as e:
+            problems += e.problems
+            continue
+        node = data
+        for p in parts[:-1]:
+            if not isinstance(node.get(p, {}), dict):
+                problems.append(f"override '{text}': {p} is not a section")
+                break
+            node = node.setdefault(p, {})
+        else:
+            node[parts[-1]] = value
+    if problems:
+        raise RecipeError(problems, "command line")
+    return data
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise RecipeError([f"no such file: {p}"], str(p))
+    if p.is_dir():
+        raise RecipeError([f"{p} is a directory, expected a recipe YAML file"], str(p))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError([f"not UTF-8 text (byte {e.start})"], str(p)) from None
+    except OSError as e:
+        raise RecipeError([f"cannot read: {e.strerror}"], str(p)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        reason = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError([f"{where}invalid YAML: {reason}"], str(p)) from None
+    except RecursionError:  # PyYAML parses recursively: thousands of nested brackets exhaust the stack
+        raise RecipeError(["invalid YAML: nested too deeply"], str(p)) from None
+    if data is None:
+        raise RecipeError(["the file is empty; a recipe needs at least one section, e.g. `model:`"], str(p))
+    if not isinstance(data, dict):
+        raise RecipeError([f"top level must be a mapping of sections, got {type(data).__name__}"], str(p))
+    return data
+
+
+def from_dict(data: dict, source: str | None = None) -> Recipe:
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_format_errors(e), source) from None
+    except (TypeError, ValueError) as e:  # e.g. non-string keys
+        raise RecipeError([str(e)], source) from None
+
+
+def load(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe. Raises RecipeError with every problem at once."""
+    data = read_yaml(path)
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(data, str(path))
+
+
+
+
+def field_docs(cls: type[BaseModel] = Recipe, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, doc) for every field, for the generated recipe reference."""
+    rows = []
+    for name, fld in cls.model_fields.items():
+        ann = fld.annotation
+        key = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows += field_docs(ann, key + ".")
+            continue
+        default = fld.get_default(call_default_factory=True)
+        if isinstance(default, BaseModel):
+            default = default.model_dump(mode="json")
+        elif isinstance(default, list):
+            default = [d.model_dump(mode="json") if isinstance(d, BaseModel) else d for d in default]
+        rows.append((key, repr(default) if not isinstance(default, Enum) else default.value,
+                     " ".join((fld.description or "").split())))
+    return rows

@@ -1,0 +1,278 @@
+"""The recipe schema: one YAML that describes a whole run, every key typed and checked strictly.
+
+Defaults live here, once, with one docstring per field; no other module repeats them. Reading a file and
+applying overrides is `finetune.recipe.load`; the cross-field rules are `finetune.recipe.contract`.
+"""
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from finetune.recipe.contract import contract_problems
+
+
+class _Section(BaseModel):
+    # extra="forbid": a misspelt key is an error, never silently ignored.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class ModelSpec(_Section):
+    name: str = "builtin:tiny-llama"
+    """Base model: a hub id (read from the local HF cache), a local directory, or `builtin:tiny-llama`
+    (a small random Llama the project builds itself, for CPU runs and tests)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of the base model."""
+    dtype: DType = "float32"
+    """Dtype of every non-quantized parameter (embeddings, norms, lm_head) and, by default, of the packed
+    4-bit storage. float32 is the fp32-preserving setup: FSDP gathers one dtype and never casts the 4-bit
+    storage; bf16 compute comes from autocast. bfloat16 halves those bytes but makes the adapters the only
+    fp32 tensors (fine for FSDP2, not for FSDP1)."""
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    """Attention kernel. flash_attention_2 falls back to sdpa (with a one-line notice) where flash-attn
+    or a CUDA GPU is absent."""
+    gradient_checkpointing: bool = True
+    """Recompute activations in the backward pass: much less activation memory for ~30% more compute."""
+    reentrant_checkpointing: bool = False
+    """Use the reentrant checkpoint implementation. Off by default because the non-reentrant one works
+    when the checkpointed inputs do not require grad (frozen 4-bit base + LoRA) without the
+    `enable_input_require_grads` hack, and composes with FSDP2; reentrant is kept for old setups."""
+    trust_remote_code: bool = False
+    """Allow a model repository to run its own Python code. Off: only architectures transformers ships."""
+    allow_pickle: bool = False
+    """Allow loading `.bin`/`.pt` (pickle) weights. Off: safetensors only, as pickle can execute code."""
+    low_cpu_mem_usage: bool = True
+    """Load weights one shard at a time instead of materialising a random-init copy first."""
+
+
+class QuantizationSpec(_Section):
+    mode: Literal["nf4", "fp4", "int8", "none"] = "nf4"
+    """How the frozen base is stored: 4-bit NF4 (QLoRA), 4-bit FP4, 8-bit LLM.int8, or none (plain LoRA)."""
+    double_quant: bool = True
+    """Quantize the 4-bit quantization constants too (saves ~0.37 bits per parameter)."""
+    compute_dtype: DType = "bfloat16"
+    """Dtype the 4-bit weights are dequantized to for each matmul."""
+    quant_storage: DType | Literal["uint8"] | None = None
+    """Dtype the packed 4-bit bytes are stored in. Null means `model.dtype`, which FSDP needs: it shards
+    and gathers the storage tensor like any parameter, so it must share the other parameters' dtype
+    (uint8 cannot be flattened by FSDP1 at all)."""
+
+
+class LoraSpec(_Section):
+    r: int = Field(16, ge=1, le=4096)
+    """LoRA rank."""
+    alpha: float = Field(32, gt=0)
+    """LoRA scaling numerator: the update is (alpha / r) * B @ A."""
+    dropout: float = Field(0.05, ge=0, lt=1)
+    """Dropout on the LoRA input."""
+    target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
+    """Which linear layers get adapters: `all-linear` (every linear but the output head) or a list of
+    module names such as [q_proj, v_proj]."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Which biases train."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Dtype of the trainable adapter weights; float32 keeps master weights exact under bf16 autocast."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _non_empty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("must name at least one module, or be 'all-linear'")
+        return v
+
+
+DataFormat = Literal["auto", "text", "prompt_completion", "instruction", "messages", "sharegpt"]
+
+
+class DataSource(_Section):
+    path: str
+    """A local file (.jsonl/.json/.csv/.parquet) or folder, a hub dataset id (from the local cache),
+    or `builtin:tiny-instruct` (the synthetic set the project generates)."""
+    split: str = "train"
+    """Split of a hub or builtin dataset."""
+    subset: str | None = None
+    """Configuration (subset) of a hub dataset, e.g. `main` for gsm8k; null: its default."""
+    format: DataFormat = "auto"
+    """Row format; `auto` detects it from the fields."""
+    weight: float = Field(1.0, gt=0)
+    """Relative share of this source when several are mixed: it contributes weight x its rows
+    (0.5: a seeded half of them, 2: each row twice), so equal weights keep the sources' natural sizes."""
+    max_samples: int | None = Field(None, ge=1)
+    """Use at most this many rows of this source."""
+    fields: dict[str, str] = Field(default_factory=dict)
+    """Rename fields to the format's names, e.g. {instruction: question, output: answer}."""
+
+
+class DataSpec(_Section):
+    sources: list[DataSource] = Field(default_factory=lambda: [DataSource(path="builtin:tiny-instruct")])
+    """Training data; several sources are mixed by weight."""
+    eval_sources: list[DataSource] = Field(default_factory=list)
+    """Held-out data. Empty: `eval_split` of the training rows is held out instead."""
+    eval_split: float = Field(0.05, ge=0, lt=1)
+    """Fraction of training rows held out for eval when `eval_sources` is empty."""
+    max_seq_len: int = Field(512, ge=8)
+    """Longest tokenized example (or packed row)."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """What happens to longer examples; either way they are counted and reported."""
+    packing: bool = False
+    """Pack several examples into each row without padding; attention cannot cross examples
+    (position ids restart per example)."""
+    train_on_inputs: bool = False
+    """Also train on prompt / user tokens. Off: loss only on completions and assistant turns."""
+    chat_template: str | None = None
+    """Jinja chat template overriding the tokenizer's own, for `messages`/`sharegpt` data, or `chatml`
+    for the builtin ChatML one. A template with {% generation %} markers decides the trained tokens itself."""
+    on_bad_row: Literal["error", "skip"] = "error"
+    """A broken row (bad JSON, missing field, wrong type, empty text): stop (exit 2) or skip and report."""
+    max_samples: int | None = Field(None, ge=1)
+    """Use at most this many training rows after mixing."""
+    shuffle_seed: int = 0
+    """Seed of the data order (separate from the model seed)."""
+
+
+class TrainSpec(_Section):
+    seed: int = 42
+    """Seed for adapter init, dropout and everything else random in training."""
+    micro_batch_size: int = Field(4, ge=1)
+    """Rows per forward pass per process."""
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    """Micro-batches per optimizer step."""
+    max_steps: int | None = Field(None, ge=1)
+    """Optimizer steps to run; overrides `epochs` when set."""
+    epochs: float = Field(1.0, gt=0)
+    """Passes over the training data (when `max_steps` is not set)."""
+    learning_rate: float = Field(2e-4, gt=0)
+    """Peak learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay on the adapter weights."""
+    lr_scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Learning-rate shape after warmup."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup steps from 0 to the peak learning rate."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; null disables clipping."""
+    optimizer: Literal["paged_adamw_8bit", "adamw_8bit", "adamw_torch"] = "paged_adamw_8bit"
+    """paged_adamw_8bit (bitsandbytes; paging needs CUDA and falls back to plain 8-bit elsewhere),
+    adamw_8bit, or torch's AdamW (32-bit state)."""
+    adam_beta1: float = Field(0.9, gt=0, lt=1)
+    """Adam's decay rate of the gradient running mean."""
+    adam_beta2: float = Field(0.999, gt=0, lt=1)
+    """Adam's decay rate of the squared-gradient running mean."""
+    adam_epsilon: float = Field(1e-8, gt=0)
+    """Adam's denominator term, for numerical stability."""
+    mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
+    """Autocast dtype of the forward pass. Master weights and buffers stay in their stored dtype."""
+
+    @field_validator("mixed_precision", mode="before")
+    @classmethod
+    def _yaml_no(cls, v):
+        return "no" if v is False else v  # YAML 1.1 reads a bare `no` as false
+    log_every: int = Field(10, ge=1)
+    """Write a metrics line every this many optimizer steps."""
+    eval_every: int | None = Field(None, ge=1)
+    """Evaluate held-out loss every this many steps (null: only at the end)."""
+    save_every: int | None = Field(None, ge=1)
+    """Write checkpoints/step-N every this many steps (null: only at the end)."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many step checkpoints to keep; older ones are deleted after a newer one is complete."""
+    resume: Union[Literal["auto"], bool, str] = "auto"
+    """`auto`: continue from the newest complete checkpoint in the output dir if there is one;
+    false: start fresh (refuses a dir with checkpoints); or a checkpoint path."""
+
+
+class EvalSpec(_Section):
+    max_batches: int | None = Field(None, ge=1)
+    """Cap on held-out batches per evaluation (null: all of them)."""
+    exact_match_samples: int = Field(50, ge=0)
+    """Held-out prompt/completion rows scored by greedy exact match in `finetune eval`."""
+    max_new_tokens: int = Field(32, ge=1)
+    """Generation length for exact match and `generate`."""
+
+
+class DistributedSpec(_Section):
+    strategy: Literal["single", "ddp", "fsdp"] = "single"
+    """single: one process. ddp: every process holds a full 4-bit replica (models that fit one device).
+    fsdp: parameters sharded across processes (see the `fsdp` section)."""
+    num_processes: int | None = Field(None, ge=1)
+    """Total processes (all machines); null: whatever the launcher starts. A mismatch with the
+    launcher is an error before weights load."""
+    num_machines: int = Field(1, ge=1)
+    """Machines taking part."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend: auto picks nccl with CUDA and gloo on CPU."""
+    timeout_minutes: float = Field(30, gt=0)
+    """How long a collective waits for a rank that stopped answering (without dying) before the job fails.
+    A rank that dies is noticed by the launcher within about a second either way."""
+
+
+class FsdpSpec(_Section):
+    version: Literal[1, 2] = 2
+    """FSDP2 (per-parameter DTensor sharding; adapters may keep another dtype) or FSDP1 (flat parameters)."""
+    sharding_strategy: Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"] = "FULL_SHARD"
+    """FSDP1 sharding strategy; FSDP2 maps FULL_SHARD to reshard_after_forward=true and SHARD_GRAD_OP to false."""
+    reshard_after_forward: bool | None = None
+    """FSDP2 only: free gathered parameters after forward (null: from `sharding_strategy`)."""
+    auto_wrap_policy: Literal["transformer", "size"] = "transformer"
+    """Wrap each transformer layer (found from the model) or any module above `min_num_params`."""
+    transformer_layer_cls: list[str] | None = None
+    """Layer class names to wrap, e.g. [LlamaDecoderLayer]; null: taken from the model (`_no_split_modules`)."""
+    min_num_params: int = Field(100_000_000, ge=1)
+    """Size threshold for `auto_wrap_policy: size`."""
+    cpu_offload: bool = False
+    """Keep sharded parameters (and their optimizer state) in CPU RAM between uses."""
+    cpu_ram_efficient_loading: bool = True
+    """Only rank 0 reads the weights; the others start empty and receive them (FSDP1 needs
+    sync_module_states for this)."""
+    sync_module_states: bool | None = None
+    """FSDP1: broadcast rank 0's weights at wrap time (null: follow cpu_ram_efficient_loading)."""
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] = "BACKWARD_PRE"
+    """FSDP1: when to prefetch the next all-gather in backward."""
+    forward_prefetch: bool = False
+    """FSDP1: prefetch the next all-gather in forward."""
+    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = "SHARDED_STATE_DICT"
+    """How optimizer state is checkpointed; the adapter is always gathered to full shapes."""
+    use_orig_params: bool = True
+    """FSDP1: keep original parameters visible (needed for frozen + trainable mixes like QLoRA)."""
+    mixed_precision_param_dtype: DType | None = None
+    """Dtype FSDP casts parameters to for compute. Null: no casting (the fp32-preserving setup, with
+    autocast doing bf16 compute). Never cast packed 4-bit storage: set it only equal to model.dtype."""
+
+
+class OutputSpec(_Section):
+    dir: str = "runs/tiny_cpu"
+    """Run directory (recipe, adapter, checkpoints, metrics). Relative paths are taken from the current
+    directory."""
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
+    """Extra Accelerate trackers besides metrics.jsonl."""
+    progress_bar: bool = True
+    """Show a progress bar on interactive terminals."""
+
+
+class Recipe(_Section):
+    """A whole run. Every section has defaults; a recipe states only what differs."""
+
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    quantization: QuantizationSpec = Field(default_factory=QuantizationSpec)
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    distributed: DistributedSpec = Field(default_factory=DistributedSpec)
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec)
+    output: OutputSpec = Field(default_factory=OutputSpec)
+
+    @model_validator(mode="after")
+    def _contract(self):
+        errors = [p.render() for p in contract_problems(self) if p.level == "error"]
+        if errors:
+            raise ValueError("\n".join(errors))
+        return self
+
+    def effective_quant_storage(self) -> str:
+        return self.quantization.quant_storage or self.model.dtype
+
+    def to_yaml_dict(self) -> dict:
+        return self.model_dump(mode="json")

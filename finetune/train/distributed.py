@@ -1,0 +1,317 @@
+"""Accelerate objects from the recipe: one process, DDP or FSDP (1 or 2), on GPUs or, as a feature, on CPU.
+
+The fp32-preserving setup (DESIGN.md) is the default: Accelerate runs with mixed_precision="no", so FSDP
+never casts parameters (the packed 4-bit storage must never be cast), master weights and buffers stay in
+their stored dtype, and the loop gets bf16 compute from `autocast(...)` around the forward.
+
+FSDP on CPU: Accelerate only turns FSDP on for GPU-like distributed types. Without a device it builds a
+gloo process group (MULTI_CPU) and would train each process alone, unsharded, without a word. We build
+`Accelerator(cpu=True)` and then switch its state to FSDP with our plugin, so `prepare` runs exactly the
+code a GPU run runs (fully_shard / FullyShardedDataParallel). `prepare` checks that sharding happened.
+"""
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+
+import torch
+
+from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
+from finetune.util.errors import RecipeError
+from finetune.util.log import is_main, print0
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# FSDP2 expresses FSDP1's two plain strategies as a bool; the hybrid/replicated ones need a 2-D mesh.
+_FSDP2_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
+
+
+def has_accelerator_device() -> bool:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Recipe -> FullyShardedDataParallelPlugin
+
+
+def fsdp_plugin_kwargs(fsdp: FsdpSpec, model_dtype: str, on_cpu: bool) -> dict:
+    """Pure mapping of the `fsdp` section to FullyShardedDataParallelPlugin keyword arguments.
+
+    Every field is set explicitly, so FSDP_* variables left by `accelerate launch` never override the
+    recipe. Settings a version does not have are passed as None (the plugin warns or raises otherwise).
+    """
+    v1 = fsdp.version == 1
+    kw: dict = {"fsdp_version": fsdp.version, "state_dict_type": fsdp.state_dict_type,
+                "activation_checkpointing": False}  # checkpointing is model.gradient_checkpointing's job
+    if v1:
+        # Accelerate takes FSDP1's strategy as `reshard_after_forward` too; `sharding_strategy` is deprecated.
+        kw["reshard_after_forward"] = fsdp.sharding_strategy
+    else:
+        if fsdp.reshard_after_forward is not None:
+            kw["reshard_after_forward"] = fsdp.reshard_after_forward
+        elif fsdp.sharding_strategy in _FSDP2_RESHARD:
+            kw["reshard_after_forward"] = _FSDP2_RESHARD[fsdp.sharding_strategy]
+        else:
+            raise RecipeError([f"fsdp.sharding_strategy: {fsdp.sharding_strategy} needs a 2-D device mesh, which "
+                               "FSDP2 here does not build. Fix: use fsdp.version: 1, or FULL_SHARD/SHARD_GRAD_OP"])
+    if fsdp.auto_wrap_policy == "transformer":
+        kw["auto_wrap_policy"] = "transformer_based_wrap"
+        # None is completed from the model (`_no_split_modules`) by `prepare`, once the model exists.
+        kw["transformer_cls_names_to_wrap"] = list(fsdp.transformer_layer_cls) if fsdp.transformer_layer_cls else None
+    else:
+        kw["auto_wrap_policy"] = "size_based_wrap"
+        kw["min_num_params"] = fsdp.min_num_params
+    # On CPU the parameters already live in CPU RAM; offloading would only add pinned-memory copies,
+    # which need a device.
+    kw["cpu_offload"] = fsdp.cpu_offload and not on_cpu
+    if v1:
+        sync = fsdp.sync_module_states if fsdp.sync_module_states is not None else fsdp.cpu_ram_efficient_loading
+        # sync_module_states broadcasts through a device; the plugin raises "no available devices" on CPU.
+        # cpu_ram_efficient_loading forces sync on in FSDP1, so both go off together there.
+        kw["sync_module_states"] = sync and not on_cpu
+        kw["cpu_ram_efficient_loading"] = fsdp.cpu_ram_efficient_loading and not on_cpu
+        kw["backward_prefetch"] = "NO_PREFETCH" if fsdp.backward_prefetch == "NONE" else fsdp.backward_prefetch
+        kw["forward_prefetch"] = fsdp.forward_prefetch
+        kw["use_orig_params"] = fsdp.use_orig_params
+    else:
+        # FSDP2 leaves 4-bit models (Params4bit) loaded on every rank; for plain models Accelerate moves
+        # the model to meta and broadcasts rank 0's weights.
+        kw["cpu_ram_efficient_loading"] = fsdp.cpu_ram_efficient_loading
+    if fsdp.mixed_precision_param_dtype is not None:
+        kw["mixed_precision_policy"] = _fsdp_mixed_precision(fsdp.version, _DTYPES[fsdp.mixed_precision_param_dtype])
+    return kw
+
+
+def _fsdp_mixed_precision(version: int, param_dtype: torch.dtype):
+    # Gradients are reduced and buffers (RoPE inv_freq) kept in fp32 whatever the parameter dtype.
+    if version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    from torch.distributed.fsdp import MixedPrecision
+    return MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32, buffer_dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Accelerator
+
+
+def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, model_dtype: str):
+    """An Accelerator for `dist.strategy`; FSDP on CPU goes through the real FSDP path (see module doc).
+
+    The returned accelerator has mixed_precision="no"; `autocast(accelerator)` gives the forward's
+    autocast from `train.mixed_precision`. Its gradient_accumulation_steps stays 1: the loop owns
+    accumulation and normalises the loss by the step's tokens itself, and Accelerate would divide every
+    `accelerator.backward` by the accumulation steps once more.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+
+    on_cpu = not has_accelerator_device()
+    if dist.backend == "nccl" and on_cpu:
+        raise RecipeError(["distributed.backend: nccl needs CUDA GPUs and none is available. Fix: use auto or gloo"])
+    launcher_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if launcher_fsdp and dist.strategy != "fsdp":
+        raise RecipeError([f"distributed.strategy: {dist.strategy}, but the launcher config uses FSDP. Fix: launch "
+                           "with the config from `finetune accelerate-config RECIPE`, or set distributed.strategy: fsdp"])
+    plugin = None
+    if dist.strategy == "fsdp":
+        plugin = FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(fsdp, model_dtype, on_cpu))
+    import datetime
+
+    # A hung rank must not hold the others forever: collectives give up after distributed.timeout_minutes.
+    pg = {"timeout": datetime.timedelta(minutes=dist.timeout_minutes)}
+    if dist.backend == "gloo" and not on_cpu:
+        pg["backend"] = "gloo"
+    handlers = [InitProcessGroupKwargs(**pg)]
+    # The plugin is passed on CPU too, although Accelerate leaves it unused there: otherwise, under
+    # `accelerate launch` with an FSDP config, Accelerate builds its own plugin from the launcher's FSDP_*
+    # variables, and FSDP1's sync_module_states=true raises "no available devices" on CPU.
+    acc = Accelerator(cpu=on_cpu, mixed_precision="no", fsdp_plugin=plugin,
+                      kwargs_handlers=handlers)
+    if dist.num_processes is not None and dist.num_processes != acc.num_processes:
+        raise RecipeError([f"distributed.num_processes is {dist.num_processes} but the launcher started "
+                           f"{acc.num_processes}. Fix: launch {dist.num_processes} processes or change the recipe"])
+    if plugin is not None and on_cpu and acc.distributed_type == DistributedType.MULTI_CPU:
+        # Accelerate's FSDP on CPU (FINDINGS.md): switch the state before prepare; FSDP1 also needs the plain
+        # "cpu" device ("cpu:0" fails FSDP1's device_id check).
+        acc.state.distributed_type = DistributedType.FSDP
+        acc.state.fsdp_plugin = plugin
+        if plugin.fsdp_version == 1:
+            acc.state.device = torch.device("cpu")
+    if plugin is not None and acc.distributed_type != DistributedType.FSDP:
+        print0(f"fsdp: {acc.num_processes} process without a launcher; nothing to shard, training unsharded "
+               "(start several with `accelerate launch` or torchrun)")
+    acc._finetune_autocast_dtype = _AUTOCAST_DTYPES[train.mixed_precision]
+    if fsdp.cpu_offload and on_cpu and dist.strategy == "fsdp":
+        print0("fsdp: cpu_offload has no effect on CPU (parameters already live in CPU RAM)")
+    return acc
+
+
+@contextlib.contextmanager
+def autocast(accelerator_or_spec, device_type: str | None = None):
+    """Autocast for the forward pass (bf16/fp16 from train.mixed_precision; "no": nothing).
+
+    Takes the Accelerator from `make_accelerator`, or a TrainSpec plus the device type. Parameters keep
+    their dtype: only the matmuls run in the low-precision type, so fp32 master weights and fp32
+    buffers are preserved.
+    """
+    if isinstance(accelerator_or_spec, TrainSpec):
+        dtype = _AUTOCAST_DTYPES[accelerator_or_spec.mixed_precision]
+    else:
+        dtype = getattr(accelerator_or_spec, "_finetune_autocast_dtype", None)
+        device_type = device_type or accelerator_or_spec.device.type
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device_type=device_type or ("cuda" if torch.cuda.is_available() else "cpu"), dtype=dtype):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------------
+# prepare
+
+
+def _layer_class_names(model) -> list[str]:
+    # A PeftModel forwards attribute lookups down to the transformers model, which names its blocks here.
+    return list(getattr(model, "_no_split_modules", None) or [])
+
+
+def complete_wrap_policy(plugin, model) -> None:
+    """Fill the plugin's layer classes from the loaded model; bad names become a RecipeError."""
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    policy = getattr(plugin.auto_wrap_policy, "func", plugin.auto_wrap_policy)
+    if policy is not transformer_auto_wrap_policy:
+        return
+    if not plugin.transformer_cls_names_to_wrap:
+        names = _layer_class_names(model)
+        if not names:
+            raise RecipeError([f"fsdp.transformer_layer_cls: {type(model).__name__} does not name its layer "
+                               "classes (_no_split_modules). Fix: list them, e.g. [LlamaDecoderLayer], or use "
+                               "fsdp.auto_wrap_policy: size"])
+        plugin.transformer_cls_names_to_wrap = names
+    present = {type(m).__name__ for m in model.modules()}
+    missing = [n for n in plugin.transformer_cls_names_to_wrap if n not in present]
+    if missing:
+        hints = [f"'{n}' is not a module class of this model"
+                 + "".join(f" (did you mean '{c}'?)" for c in difflib.get_close_matches(n, present, n=1))
+                 for n in missing]
+        raise RecipeError([f"fsdp.transformer_layer_cls: {h}" for h in hints])
+
+
+def describe_fsdp(accelerator) -> str:
+    plugin = accelerator.state.fsdp_plugin
+    backend = accelerator.state.backend or "?"
+    head = f"fsdp: FSDP{plugin.fsdp_version} over {backend}, {accelerator.num_processes} processes"
+    if plugin.fsdp_version == 2:
+        shard = f"reshard_after_forward={plugin.reshard_after_forward}"
+    else:
+        strategy = plugin.sharding_strategy or plugin.reshard_after_forward
+        shard = f"sharding_strategy={strategy.name}, use_orig_params={plugin.use_orig_params}"
+    if plugin.transformer_cls_names_to_wrap:
+        wrap = "wrapping " + ", ".join(plugin.transformer_cls_names_to_wrap)
+    else:
+        wrap = f"wrapping modules above {plugin.min_num_params} parameters"
+    return f"{head}, {shard}, {wrap}"
+
+
+def is_sharded(model) -> bool:
+    """True when `model` was really wrapped by FSDP (FSDP2 FSDPModule or FSDP1 FullyShardedDataParallel)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    return isinstance(model, (FSDPModule, FullyShardedDataParallel))
+
+
+def disable_cpu_weight_repacking(model) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights in place during CPU inference; returns how many
+    layers were switched.
+
+    Linear4bit.forward on a CPU with AVX512-BF16, in eval mode without grad, replaces `weight.data` with
+    a uint8 CPU-kernel layout and marks the shared quant_state as repacked. Under FSDP the replaced
+    tensor is the gathered copy, which is freed after forward, while the flag stays: the next forward
+    reads the original layout as repacked (measured: logits off by 1.7, training loss after an eval
+    6.000 instead of 6.048, FSDP1 and FSDP2). In one process the weight stays repacked, its storage
+    dtype changes, and backward then runs through an op without autograd support. Training needs the
+    layout it was loaded with.
+    """
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def prepare(accelerator, model, optimizer):
+    """(model, optimizer) = accelerator.prepare(model, optimizer) plus what FSDP needs around it.
+
+    Before: bitsandbytes' in-place CPU repacking is switched off (see disable_cpu_weight_repacking) and
+    the wrap policy is completed from the loaded model. After: the model must really be sharded
+    (a silent unsharded run proves nothing), and rank 0 logs one line saying how.
+    FSDP2 swaps parameters for DTensors; the optimizer is handed the new ones by Accelerate, which is why
+    model and optimizer go through prepare together. Keep the LR scheduler out of accelerator.prepare:
+    its AcceleratedScheduler steps once per process on every call (it assumes steps were counted for
+    one process), so with 2 processes warmup and decay would run twice as fast.
+    """
+    from accelerate.utils import DistributedType
+
+    disable_cpu_weight_repacking(model)
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    if fsdp:
+        complete_wrap_policy(accelerator.state.fsdp_plugin, model)
+    out = accelerator.prepare(model, optimizer)
+    if fsdp:
+        if not is_sharded(out[0]):
+            raise RuntimeError(f"FSDP was configured but prepare returned an unsharded {type(out[0]).__name__}")
+        print0(describe_fsdp(accelerator))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Adapter gathering
+
+
+def gather_full_adapter_state(accelerator, model) -> dict[str, torch.Tensor]:
+    """Full-shape (unsharded) adapter tensors on CPU, on rank 0 (other ranks get {}). Collective: every
+    rank must call it.
+
+    Keys are PEFT's file keys, without the adapter name ("...q_proj.lora_A.weight"): what
+    adapter_model.safetensors holds and `set_peft_model_state_dict` loads. (PeftModel.save_pretrained's
+    own `state_dict=` argument wants the raw keys with ".default." instead.)
+    Only trainable tensors are gathered; the frozen 4-bit base never leaves its shards.
+    """
+    from peft import get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    unwrapped = accelerator.unwrap_model(model)
+    if is_sharded(model):
+        # FSDP1's cpu offload, when the compute device already is the CPU, "moves" the gathered flat
+        # parameter to where it is and then frees it: every entry points at freed memory and cloning it
+        # segfaults (torch 2.13). There is nothing to offload on CPU anyway. On GPUs it keeps rank 0's
+        # full copy off the device.
+        offload = accelerator.device.type != "cpu" or accelerator.state.fsdp_plugin.fsdp_version == 2
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=offload, ignore_frozen_params=True)
+        raw = get_model_state_dict(model, options=opts)  # clean names: no FSDP wrapper prefixes
+    else:
+        raw = {k: v.detach().to("cpu", copy=True) for k, v in unwrapped.named_parameters() if v.requires_grad}
+    if not is_main():
+        return {}
+    # peft (0.21) finds adapter tensors by walking the model's module names; inside FSDP1 those carry
+    # "_fsdp_wrapped_module." for every wrapped layer, so clean keys match nothing and it returns {}.
+    # Give it the names it walks, then clean its answer.
+    names = {_clean(n): n for n, _ in unwrapped.named_parameters()}
+    raw = {names.get(k, k): v for k, v in raw.items()}
+    out = {_clean(k): v.detach().to("cpu").contiguous()
+           for k, v in get_peft_model_state_dict(unwrapped, state_dict=raw).items()}
+    n_trainable = sum(p.requires_grad for p in unwrapped.parameters())
+    if len(out) < n_trainable:  # never write an empty or partial adapter without a word
+        raise RuntimeError(f"gathered {len(out)} adapter tensors for {n_trainable} trainable parameters")
+    return out
+
+
+def _clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")

@@ -1,0 +1,43 @@
+"""LoRA spec -> peft config; apply it; keep the trainable weights in the adapter dtype (fp32 by default)."""
+from __future__ import annotations
+
+import torch
+
+from finetune.recipe import LoraSpec
+
+ADAPTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def peft_config(spec: LoraSpec):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=spec.target_modules,
+        bias=spec.bias,
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model, spec: LoraSpec, seed: int):
+    """Wrap the frozen base with fresh adapters. Seeded so adapter init is reproducible."""
+    from peft import get_peft_model
+
+    torch.manual_seed(seed)
+    model = get_peft_model(model, peft_config(spec), autocast_adapter_dtype=False)
+    # Master copies of the trainable weights stay in the adapter dtype (fp32 default): the optimizer updates
+    # them exactly while autocast does the matmuls in bf16.
+    dtype = ADAPTER_DTYPES[spec.dtype]
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
+
+
+def trainable_report(model) -> dict:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return {"trainable_params": trainable, "all_params": total,
+            "trainable_pct": round(100 * trainable / max(total, 1), 3)}

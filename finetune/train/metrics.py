@@ -1,0 +1,75 @@
+"""One sink for everything a run reports: progress bar, stdout lines, metrics.jsonl (rank 0 only)."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from finetune.util import atomic
+from finetune.util.errors import explain
+from finetune.util.log import is_main, print0
+from finetune.util.redact import redact
+
+
+class Metrics:
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress_bar: bool):
+        self.main = is_main()
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.bar = None
+        if self.main:
+            trim(self.path, start_step)
+        if self.main and progress_bar and sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
+        self.t0 = time.perf_counter()
+
+    def step(self, step: int, **values):
+        """Every optimizer step: advance the bar and show the latest values."""
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix({k: _fmt(v) for k, v in values.items()}, refresh=False)
+
+    def log(self, step: int, **values):
+        """A logged step: one JSON line, and one printed line when there is no bar."""
+        if not self.main:
+            return
+        record = {"step": step, "time": round(time.perf_counter() - self.t0, 3), **values}
+        try:
+            with open(self.path, "a") as f:
+                f.write(redact(json.dumps(record)) + "\n")
+        except OSError as e:
+            raise explain(e, "writing metrics", self.path) from e
+        line = " ".join(f"{k}={_fmt(v)}" for k, v in record.items())
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print0(line)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def trim(path: Path, start_step: int):
+    """Keep only the records of steps up to `start_step` (where training starts or resumes): the steps
+    after it are about to run again, and a process killed mid-write may have left a torn last line.
+    Rewritten atomically, so a crash here loses nothing."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start_step:
+            keep.append(line + "\n")
+    atomic.write_text(path, "".join(keep))
+
+
+def _fmt(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return v

@@ -1,0 +1,151 @@
+"""Tokenizer and base model from the recipe's `model` and `quantization` sections.
+
+The quantized base is frozen; only LoRA adapters (lora.py) train. Every GPU-only choice (flash-attn) is
+resolved here against what this machine has, with one printed line when it changes.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from finetune.recipe import ModelSpec, QuantizationSpec
+from finetune.util.errors import RecipeError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
+
+
+def resolve_name(name: str) -> str:
+    """builtin:* -> the local directory the project builds; anything else is passed to transformers."""
+    if name.startswith("builtin:"):
+        from finetune.util import builtin as tiny
+
+        builder = tiny.BUILTIN_MODELS.get(name)
+        if builder is None:
+            raise RecipeError([f"model.name: unknown builtin '{name}'; known: {', '.join(tiny.BUILTIN_MODELS)}"])
+        return str(builder())
+    if os.path.isdir(os.path.expanduser(name)):
+        return str(Path(name).expanduser().resolve())
+    return name
+
+
+def resolve_attention(requested: str, notice=print) -> str:
+    """flash_attention_2 needs CUDA and the flash-attn package; fall back to SDPA (same math) otherwise."""
+    if requested != "flash_attention_2":
+        return requested
+    import importlib.util
+
+    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+        return requested
+    why = "no CUDA device" if not torch.cuda.is_available() else "flash-attn is not installed"
+    notice(f"attention: flash_attention_2 -> sdpa ({why})")
+    return "sdpa"
+
+
+def bnb_config(q: QuantizationSpec, model_dtype: str):
+    """QuantizationSpec -> transformers BitsAndBytesConfig (None for mode: none)."""
+    from transformers import BitsAndBytesConfig
+
+    if q.mode == "none":
+        return None
+    if q.mode == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.mode,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+        # The packed 4-bit bytes live in a tensor of this dtype. FSDP shards and gathers it like any other
+        # parameter, so it must be the dtype of every other parameter (model.dtype) and never be cast.
+        bnb_4bit_quant_storage=DTYPES[q.quant_storage or model_dtype],
+    )
+
+
+def _check_weights_format(path: str, allow_pickle: bool):
+    """Refuse pickle checkpoints (they can run code) unless the recipe allows them."""
+    p = Path(path)
+    if not p.is_dir():
+        return  # hub id: transformers prefers safetensors; use_safetensors below enforces it
+    has_safe = any(p.glob("*.safetensors"))
+    has_pickle = any(p.glob("*.bin")) or any(p.glob("*.pt"))
+    if not has_safe and has_pickle and not allow_pickle:
+        raise RecipeError([f"model.name: {path} has only pickle weights (.bin/.pt), which can execute code "
+                           "when loaded; convert them to safetensors or set model.allow_pickle: true"])
+    if not has_safe and not has_pickle:
+        raise RecipeError([f"model.name: {path} holds no weights (*.safetensors)"])
+
+
+def load_tokenizer(spec: ModelSpec, path: str | None = None):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path or resolve_name(spec.name), revision=spec.revision,
+                                        trust_remote_code=spec.trust_remote_code)
+    if tok.pad_token is None:  # batching needs a pad id; padded positions are masked out of the loss anyway
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(spec: ModelSpec, quant: QuantizationSpec, device_map=None, notice=print):
+    """Load the frozen base: quantized per `quant`, non-quantized parameters in `spec.dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_name(spec.name)
+    _check_weights_format(path, spec.allow_pickle)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            revision=spec.revision,
+            dtype=DTYPES[spec.dtype],
+            quantization_config=bnb_config(quant, spec.dtype),
+            attn_implementation=resolve_attention(spec.attn_implementation, notice),
+            trust_remote_code=spec.trust_remote_code,
+            use_safetensors=None if spec.allow_pickle else True,
+            device_map=device_map,
+        )
+    except OSError as e:  # not on disk and not in the HF cache (no network here)
+        raise RecipeError([f"model.name: cannot load '{spec.name}': {str(e).splitlines()[0]}"]) from None
+    model.config.use_cache = False  # training never uses the KV cache; it would also break packing masks
+    for p in model.parameters():
+        p.requires_grad_(False)
+    keep_buffers_fp32(model)
+    from finetune.train.distributed import disable_cpu_weight_repacking
+
+    # bitsandbytes repacks 4-bit weights in place on AVX512-BF16 CPUs during eval forwards, which corrupts
+    # later training steps and every FSDP gather (see disable_cpu_weight_repacking); keep the trained layout.
+    disable_cpu_weight_repacking(model)
+    return model
+
+
+def keep_buffers_fp32(model):
+    """RoPE's inv_freq (and similar buffers) must stay fp32: in bf16 the rotary angles of late positions
+    lose precision. Loading in a half dtype casts them; put them back."""
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                module._buffers[name] = buf.float()
+
+
+def enable_checkpointing(model, spec: ModelSpec):
+    """Gradient checkpointing per the recipe. Non-reentrant by default: it handles inputs that do not
+    require grad (frozen embeddings before the first adapter) and composes with FSDP2."""
+    if not spec.gradient_checkpointing:
+        return
+    kwargs = {"use_reentrant": spec.reentrant_checkpointing}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if spec.reentrant_checkpointing:
+        # Reentrant checkpointing only builds a graph when an input requires grad.
+        model.enable_input_require_grads()
+
+
+def quantized_bytes_per_param(model) -> float:
+    """Storage bytes per weight element of the quantized linear layers (about 0.5 for 4-bit)."""
+    import bitsandbytes as bnb
+
+    nbytes = n = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            w = m.weight
+            nbytes += w.numel() * w.element_size()
+            n += m.in_features * m.out_features
+    return nbytes / n if n else float("nan")

@@ -1,0 +1,163 @@
+"""Optimizer and learning-rate schedule from the `train` section.
+
+bitsandbytes' 8-bit AdamW keeps its two moments as uint8 codes plus one fp32 absmax per 256-value
+block. Under FSDP2 every parameter and gradient is a DTensor while bnb's kernels take plain tensors
+(its quantization maps are plain), so the stock optimizer stops at the first step with "got mixed
+torch.Tensor and DTensor" for every tensor big enough to get 8-bit state (>= 4096 elements).
+`ShardedAdamW8bit` runs the same bnb kernels on each rank's local shard instead: the update of
+AdamW is elementwise, so updating the shards one rank each is the full update, and the state it keeps
+is sharded the same way (each rank's tensors sized to its own shard). `state_dict()` therefore holds
+plain per-rank tensors: checkpoint it per rank.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from finetune.recipe import TrainSpec
+
+_notices: set[str] = set()
+
+
+def _notice_once(msg: str) -> None:
+    if msg not in _notices:
+        _notices.add(msg)
+        from finetune.util.log import print0
+        print0(msg)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _sharded_adamw8bit_cls():
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    class ShardedAdamW8bit(bnb.optim.AdamW8bit):
+        """bnb.optim.AdamW8bit (or its paged form) updating each rank's local shard of DTensor
+        parameters; plain tensors (one process, DDP, FSDP1's flat-parameter views) go the same way.
+
+        Overrides only bnb's two per-parameter hooks, `init_state` and `update_step`; `step`,
+        `state_dict` and `load_state_dict` are bnb's own. Whether a tensor gets 8-bit state is decided
+        on its full size (DTensor.numel() is global; FSDP1 views are looked up by the size recorded at
+        construction), so sharding never silently turns 8-bit state into 32-bit state.
+        """
+
+        def __init__(self, params, **kwargs):
+            super().__init__(params, **kwargs)
+            # FSDP1 (use_orig_params) keeps these Parameter objects but shrinks them to this rank's slice.
+            self._full_numel = {id(p): p.numel() for g in self.param_groups for p in g["params"]}
+
+        def _full_size(self, p) -> int:
+            from torch.distributed.tensor import DTensor
+
+            return p.numel() if isinstance(p, DTensor) else max(self._full_numel.get(id(p), 0), p.numel())
+
+        @torch.no_grad()
+        def init_state(self, group, p, gindex, pindex):
+            config = self.get_config(gindex, pindex, group)
+            local = _local(p)
+            state = self.state[p]
+            state["step"] = 0
+            if config["optim_bits"] == 8 and self._full_size(p) >= config["min_8bit_size"]:
+                for name in ("dynamic", "udynamic"):
+                    self.name2qmap[name] = self.name2qmap[name].to(local.device)
+                state["state1"] = self.get_state_buffer(local, dtype=torch.uint8)
+                state["state2"] = self.get_state_buffer(local, dtype=torch.uint8)
+                state["qmap1"], state["qmap2"] = self.name2qmap["dynamic"], self.name2qmap["udynamic"]
+                blocks = math.ceil(local.numel() / 256)  # bnb's blockwise optimizer block size
+                state["absmax1"] = torch.zeros((blocks,), dtype=torch.float32, device=local.device)
+                state["absmax2"] = torch.zeros((blocks,), dtype=torch.float32, device=local.device)
+            else:
+                state["state1"] = self.get_state_buffer(local, dtype=torch.float32)
+                state["state2"] = self.get_state_buffer(local, dtype=torch.float32)
+            if config["max_unorm"] > 0.0:
+                state["unorm_vec"] = torch.zeros((1,), device=local.device)
+
+        @torch.no_grad()
+        def update_step(self, group, p, gindex, pindex):
+            local, grad = _local(p), _local(p.grad)
+            if local.numel() == 0:  # FSDP1 / uneven FSDP2 shards: this rank holds none of p
+                return
+            # The kernels update `work` in place; a non-contiguous shard is updated on a copy and copied back.
+            work = local if local.is_contiguous() else local.contiguous()
+            grad = grad.contiguous()
+            state = self.state[p]
+            config = self.get_config(gindex, pindex, group)
+            state["step"] += 1
+            beta1, beta2 = config["betas"][0], config["betas"][1]
+            beta3 = config["betas"][2] if len(config["betas"]) >= 3 else 0.0
+            if state["state1"].dtype == torch.float32:
+                F.optimizer_update_32bit(
+                    self.optimizer_name, grad, work, state["state1"], beta1, config["eps"], state["step"],
+                    config["lr"], state["state2"], beta2, beta3, config.get("alpha", 0.0),
+                    config["weight_decay"], 1.0, state["unorm_vec"] if config["max_unorm"] > 0.0 else None,
+                    max_unorm=config["max_unorm"], skip_zeros=config["skip_zeros"])
+            else:
+                F.optimizer_update_8bit_blockwise(
+                    self.optimizer_name, grad, work, state["state1"], state["state2"], beta1, beta2, beta3,
+                    config.get("alpha", 0.0), config["eps"], state["step"], config["lr"], state["qmap1"],
+                    state["qmap2"], state["absmax1"], state["absmax2"], config["weight_decay"],
+                    gnorm_scale=1.0, skip_zeros=config["skip_zeros"])
+            if work is not local:
+                local.copy_(work)
+
+    return ShardedAdamW8bit
+
+
+_SHARDED_CLS = None
+
+
+def sharded_adamw8bit_cls():
+    """The class (built lazily so importing this module does not import bitsandbytes)."""
+    global _SHARDED_CLS
+    if _SHARDED_CLS is None:
+        _SHARDED_CLS = _sharded_adamw8bit_cls()
+    return _SHARDED_CLS
+
+
+def param_groups(model_or_params, weight_decay: float) -> list[dict]:
+    """Trainable parameters in two groups: decay on >= 2-D weights (LoRA A/B), none on vectors (biases)."""
+    params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
+    trainable = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, param) pairs or params
+    trainable = [p for p in trainable if p.requires_grad]
+    if not trainable:
+        raise ValueError("no trainable parameters: was LoRA applied?")
+    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay}]
+    rest = [p for p in trainable if p.dim() < 2]
+    if rest:
+        groups.append({"params": rest, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model_or_params, train: TrainSpec) -> torch.optim.Optimizer:
+    """The optimizer named by `train.optimizer`, over the trainable parameters of a module, an iterable of
+    parameters, or of (name, parameter) pairs.
+
+    Build it on the un-wrapped model and pass it to `distributed.prepare` with the model: FSDP2 swaps
+    the parameters, and Accelerate re-points the optimizer at the new ones.
+    """
+    groups = param_groups(model_or_params, train.weight_decay)
+    common = dict(lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_epsilon)
+    if train.optimizer == "adamw_torch":
+        return torch.optim.AdamW(groups, **common)
+    paged = train.optimizer == "paged_adamw_8bit"
+    if paged and not torch.cuda.is_available():
+        # Paging moves optimizer state to CPU RAM under GPU memory pressure (CUDA unified memory).
+        _notice_once("optimizer: paged_adamw_8bit pages through CUDA unified memory; no CUDA here, "
+                     "so it runs as adamw_8bit (same update, same 8-bit state)")
+        paged = False
+    return sharded_adamw8bit_cls()(groups, is_paged=paged, **common)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, total_steps: int):
+    """Linear warmup over `train.warmup_steps`, then cosine / linear decay to 0 or constant."""
+    from transformers import get_scheduler
+
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[train.lr_scheduler]
+    return get_scheduler(name, optimizer=optimizer, num_warmup_steps=train.warmup_steps,
+                         num_training_steps=total_steps)

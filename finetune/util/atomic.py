@@ -1,0 +1,81 @@
+"""Write-then-rename: a file or directory that can be seen is complete. A crash or a failed write leaves the
+previous version (or nothing), never half of one. Data is fsynced before the rename that publishes it, so
+after a power loss a renamed file cannot be empty or truncated."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    """Plain Python I/O, so a failed write raises OSError with its errno (disk full, quota, ...): torch.save
+    and safetensors' save_file, writing themselves, report it as an error whose only trace is the message."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically (a hidden sibling, fsynced, then renamed over it)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_bytes(tmp, text.encode())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush every file's data, then the directory, before the rename that publishes them."""
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(path)
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the complete directory `tmp` to `final`. An existing `final` is renamed away first (atomic),
+    then deleted: a crash mid-delete leaves a hidden `.del-*` directory, never a visible one with files gone."""
+    if final.exists():
+        trash = final.parent / f".del-{final.name}"
+        shutil.rmtree(trash, ignore_errors=True)
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def delete_dir(path: Path) -> None:
+    """Rename away, then delete: a visible directory is never half deleted."""
+    trash = path.parent / f".del-{path.name}"
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def build_dir(final: Path, build, tmp: Path | None = None) -> Path:
+    """`build(tmp)` fills a hidden sibling, fsynced, which then replaces `final`. On an error the sibling is
+    removed and the error raised; the old `final` (or none) stays."""
+    tmp = tmp or final.parent / f".tmp-{final.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        build(tmp)
+        fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_dir(tmp, final)
+    return final

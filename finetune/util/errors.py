@@ -1,0 +1,85 @@
+"""The errors every layer may raise, and how an entry point turns them into exit codes.
+
+Exit codes: 0 ok, 2 bad input (recipe, data, arguments: `RecipeError`, rendered without a traceback),
+1 anything else (`OutputWriteError` is rendered as one line: what failed and what was kept), 130 when
+interrupted. `exit_code` applies them to any entry function, so `finetune VERB` and `python -m
+finetune.X` answer alike.
+"""
+from __future__ import annotations
+
+import errno
+import sys
+from typing import Callable, Literal
+
+from pydantic import BaseModel
+
+
+class RecipeError(Exception):
+    """Bad input (recipe, overrides, data or arguments). The CLI prints `problems` and exits 2."""
+
+    def __init__(self, problems: list[str], source: str | None = None):
+        self.problems = list(problems)
+        self.source = source
+        head = f"{source}: " if source else ""
+        super().__init__(head + "; ".join(self.problems))
+
+    def render(self) -> str:
+        where = f"{self.source}: " if self.source else ""
+        n = len(self.problems)
+        lines = [f"error: {where}{n} problem{'s' if n != 1 else ''} in the recipe" if self.source
+                 else f"error: {n} problem{'s' if n != 1 else ''}"]
+        lines += [f"  - {p}" for p in self.problems]
+        return "\n".join(lines)
+
+
+class Problem(BaseModel):
+    """One finding of a check (contract, preflight, launcher): an error stops the run, a warning is shown."""
+
+    level: Literal["error", "warning"]
+    path: str
+    message: str
+    fix: str = ""
+
+    def render(self) -> str:
+        fix = f" Fix: {self.fix}" if self.fix else ""
+        return f"{self.path}: {self.message}.{fix}"
+
+
+class OutputWriteError(OSError):
+    """Writing the run's output failed (disk full, quota, read-only, permission). Nothing that looks
+    complete was left behind; the message says what happened and where."""
+
+
+REASONS = {errno.ENOSPC: "the disk is full", errno.EDQUOT: "the disk quota is exceeded",
+           errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+           errno.EPERM: "operation not permitted", errno.EFBIG: "the file size limit was reached"}
+
+
+def reason(e: OSError) -> str:
+    return REASONS.get(e.errno, e.strerror or str(e))
+
+
+def explain(e: OSError, what: str, path) -> OutputWriteError:
+    return OutputWriteError(e.errno, f"{what} failed: {reason(e)} ({path}); nothing partial was kept, the "
+                                     "previous checkpoint is intact. Free space (or fix the output dir) and re-run "
+                                     "the same command to resume")
+
+
+def exit_code(main: Callable[[list[str]], int | None], argv: list[str]) -> int:
+    """Run an entry function and map what it raises to the exit codes above."""
+    try:
+        return int(main(argv) or 0)
+    except RecipeError as e:
+        print(e.render(), file=sys.stderr)
+        return 2
+    except OutputWriteError as e:  # disk full or unwritable mid-run: the message says what was kept
+        print(f"error: {e.strerror}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def run_module(main: Callable[[list[str]], int | None]) -> int:
+    """`python -m finetune.X` entry: the same exit codes and error rendering as `finetune X`."""
+    return exit_code(main, sys.argv[1:])
