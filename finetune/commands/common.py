@@ -12,14 +12,19 @@ def add_recipe_arguments(p: argparse.ArgumentParser, optional: bool = False) -> 
                    help="recipe overrides, anywhere on the line, e.g. train.max_steps=5")
 
 
+def _is_override(word: str) -> bool:
+    return "=" in word and not word.endswith((".yaml", ".yml"))
+
+
 def split_overrides(args: argparse.Namespace) -> None:
-    """Check the overrides; with an optional recipe, a first argument that is an override is one."""
-    if args.recipe and "=" in args.recipe and not args.recipe.endswith((".yaml", ".yml")):
-        args.overrides.insert(0, args.recipe)
-        args.recipe = None
-    bad = [o for o in args.overrides if "=" not in o]
-    if bad:
-        raise RecipeError([f"unexpected argument '{bad[0]}': overrides are key=value, e.g. train.max_steps=5"])
+    """Sort the positionals into the recipe and its overrides, wherever each stands: argparse fills
+    `recipe` with the first positional, which may be an override when the recipe is optional."""
+    words = [w for w in [args.recipe, *args.overrides] if w is not None]
+    args.overrides = [w for w in words if _is_override(w)]
+    rest = [w for w in words if not _is_override(w)]
+    if len(rest) > 1:
+        raise RecipeError([f"unexpected argument '{rest[1]}': overrides are key=value, e.g. train.max_steps=5"])
+    args.recipe = rest[0] if rest else None
 
 
 def load_recipe(args: argparse.Namespace):
@@ -27,6 +32,8 @@ def load_recipe(args: argparse.Namespace):
     from finetune.recipe import load
 
     split_overrides(args)
+    if args.recipe is None:
+        raise RecipeError(["no recipe given: name a recipe YAML, e.g. recipes/tiny_cpu.yaml"])
     return load(args.recipe, args.overrides)
 
 

@@ -17,9 +17,9 @@ def register(sub) -> None:
 def run(a) -> int:
     from pathlib import Path
 
-    from finetune.plan.preflight import preflight
+    from finetune.train.preflight import preflight
     from finetune.util.errors import RecipeError
-    from finetune.util.log import print0
+    from finetune.util.log import log
 
     recipe = load_recipe(a)
     # Every check that needs no weights runs before any process loads them.
@@ -33,5 +33,5 @@ def run(a) -> int:
     from finetune.train.loop import train
 
     result = train(recipe, Path(recipe.output.dir))
-    print0(f"done: {result}; run dir {recipe.output.dir}")
+    log.info(f"done: {result}; run dir {recipe.output.dir}")
     return 0

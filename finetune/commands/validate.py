@@ -18,7 +18,7 @@ def register(sub) -> None:
 
 def run(a) -> int:
     from finetune.commands.common import at_least_one
-    from finetune.plan.preflight import preflight, render
+    from finetune.train.preflight import preflight, render
     from finetune.util.units import parse_size
 
     gpu_mem = parse_size(a.gpu_memory, "--gpu-memory") if a.gpu_memory else None

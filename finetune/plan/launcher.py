@@ -21,6 +21,7 @@ from pathlib import Path
 import yaml
 
 from finetune.util.errors import Problem, RecipeError
+from finetune.recipe.contract import process_count_problems
 from finetune.recipe import Recipe, load
 
 DISTRIBUTED_TYPE = {"single": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP"}
@@ -82,16 +83,14 @@ def accelerate_config(r: Recipe, gpus: int | None = None, machines: int | None =
     d = r.distributed
     machines = machines or d.num_machines
     procs = gpus or d.num_processes or (1 if d.strategy == "single" else machines)
-    if procs % machines:
-        raise RecipeError([f"--gpus {procs} does not divide over {machines} machines"])
+    problems = [p.render() for p in process_count_problems(d.strategy, procs, machines)]
+    if problems:
+        raise RecipeError(problems, "--gpus/--machines")
     cfg = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": DISTRIBUTED_TYPE[d.strategy],
            "downcast_bf16": "no", "enable_cpu_affinity": False, "machine_rank": 0, "main_training_function": "main",
            "mixed_precision": expected_mixed_precision(r), "num_machines": machines, "num_processes": procs,
            "rdzv_backend": "static", "same_network": True, "tpu_env": [], "tpu_use_cluster": False,
            "tpu_use_sudo": False, "use_cpu": cpu}
-    if d.strategy == "single" and procs > 1:
-        raise RecipeError([f"distributed.strategy is single but {procs} processes were asked for; "
-                           "set distributed.strategy: fsdp or ddp"])
     if machines > 1:
         cfg["main_process_ip"] = "main-node"  # replace with the first machine's address
         cfg["main_process_port"] = 29500

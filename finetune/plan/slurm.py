@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 
 from finetune.util.errors import RecipeError
 from finetune.recipe import load
+from finetune.recipe.contract import process_count_problems
 
 DEFAULT_PORT = 29500
 
@@ -110,9 +111,7 @@ def _check_recipe(recipe_path: str, overrides: Sequence[str], machines: int, pro
     if d.num_processes not in (None, processes):
         problems.append(f"distributed.num_processes is {d.num_processes} but the job runs {processes} "
                         f"(fix: distributed.num_processes={processes} or null)")
-    if d.strategy == "single" and processes > 1:
-        problems.append(f"distributed.strategy is single but the job runs {processes} processes "
-                        "(fix: distributed.strategy=fsdp)")
+    problems += [p.render() for p in process_count_problems(d.strategy, processes, machines)]
     if problems:
         raise RecipeError(problems, recipe_path)
 

@@ -1,4 +1,4 @@
-"""The cross-field contract: settings that are each valid alone but break together (DESIGN.md's FSDP + QLoRA
+"""The cross-field contract: settings that are each valid alone but break together (the FSDP + QLoRA
 contract and friends). Pure functions of a Recipe (no I/O), so the schema can run them at validation time
 and `finetune validate` can list them with their fixes.
 """
@@ -8,7 +8,32 @@ from finetune.util.errors import Problem
 
 
 def contract_problems(r) -> list[Problem]:
-    """The FSDP + QLoRA contract and other cross-field rules (see DESIGN.md). Pure: no I/O."""
+    """The FSDP + QLoRA contract and other cross-field rules (docs/architecture.md). Pure: no I/O."""
+    d = r.distributed
+    return (_storage_problems(r) + process_count_problems(d.strategy, d.num_processes, d.num_machines)
+            + _training_problems(r) + _precision_problems(r) + _fsdp_option_problems(r))
+
+
+def process_count_problems(strategy: str, processes: int | None, machines: int) -> list[Problem]:
+    """The process-count rules, wherever a count is set: the recipe, `accelerate-config --gpus`, a SLURM job."""
+    out: list[Problem] = []
+    if processes and processes % machines:
+        out.append(Problem(level="error", path="distributed.num_processes",
+                           message=f"the process count {processes} does not divide over {machines} machines",
+                           fix="use a multiple of distributed.num_machines"))
+    if strategy == "single" and processes not in (None, 1):
+        out.append(Problem(level="error", path="distributed.num_processes",
+                           message=f"strategy single runs one process, not {processes}",
+                           fix="set distributed.strategy: fsdp or ddp, or num_processes: 1"))
+    if strategy == "single" and machines > 1:
+        out.append(Problem(level="error", path="distributed.num_machines",
+                           message=f"strategy single cannot span {machines} machines",
+                           fix="set distributed.strategy: fsdp or ddp"))
+    return out
+
+
+def _storage_problems(r) -> list[Problem]:
+    """How FSDP may hold the packed 4-bit storage and the adapters beside it."""
     out: list[Problem] = []
     q, m, lo, f, t, d = r.quantization, r.model, r.lora, r.fsdp, r.train, r.distributed
     storage = q.quant_storage or m.dtype
@@ -49,14 +74,13 @@ def contract_problems(r) -> list[Problem]:
         out.append(Problem(level="warning", path="model.reentrant_checkpointing",
                            message="reentrant checkpointing under FSDP2 re-gathers parameters twice and needs "
                                    "input grads enabled", fix="set model.reentrant_checkpointing: false"))
-    if d.num_processes and d.num_processes % d.num_machines:
-        out.append(Problem(level="error", path="distributed.num_processes",
-                           message=f"{d.num_processes} processes do not divide over {d.num_machines} machines",
-                           fix="use a multiple of distributed.num_machines"))
-    if d.strategy == "single" and d.num_processes not in (None, 1):
-        out.append(Problem(level="error", path="distributed.num_processes",
-                           message=f"strategy single runs one process, not {d.num_processes}",
-                           fix="set distributed.strategy: fsdp or ddp, or num_processes: 1"))
+    return out
+
+
+def _training_problems(r) -> list[Problem]:
+    out: list[Problem] = []
+    q, lo, f, t, d = r.quantization, r.lora, r.fsdp, r.train, r.distributed
+    four_bit = q.mode in ("nf4", "fp4")
     if f.cpu_offload and t.optimizer != "adamw_torch" and d.strategy == "fsdp":
         out.append(Problem(level="warning", path="fsdp.cpu_offload",
                            message="offloaded parameters keep their optimizer state on CPU; bitsandbytes' 8-bit "
@@ -71,8 +95,6 @@ def contract_problems(r) -> list[Problem]:
         out.append(Problem(level="warning", path="lora.target_modules",
                            message="adapters on lm_head/embed_tokens are not quantized layers and add much memory",
                            fix="drop them unless you change the vocabulary"))
-    out += _precision_problems(r)
-    out += _fsdp_option_problems(r)
     return out
 
 
@@ -119,10 +141,6 @@ def _fsdp_option_problems(r) -> list[Problem]:
         out.append(Problem(level="error", path="fsdp.cpu_offload",
                            message=f"CPU offload is an FSDP feature; distributed.strategy is {d.strategy}",
                            fix="set distributed.strategy: fsdp, or fsdp.cpu_offload: false"))
-    if d.strategy == "single" and d.num_machines > 1:
-        out.append(Problem(level="error", path="distributed.num_machines",
-                           message=f"strategy single cannot span {d.num_machines} machines",
-                           fix="set distributed.strategy: fsdp or ddp"))
     if d.strategy != "fsdp":
         return out
     if f.version == 2:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from finetune import recipe as R
-from finetune.commands import validate as V
+from finetune.train import preflight as V
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow

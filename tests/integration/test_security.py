@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from finetune import recipe as R
-from finetune.commands import validate as V
+from finetune.train import preflight as V
 from finetune.train.model import load_model
 
 pytestmark = pytest.mark.slow

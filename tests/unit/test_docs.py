@@ -26,7 +26,7 @@ def test_check_mode_detects_drift(tmp_path):
 def test_every_field_is_documented_with_its_default():
     page = docs.render()
     for key, _default, doc in field_docs():
-        assert doc, f"{key} has no docstring in finetune/recipe.py"
+        assert doc, f"{key} has no docstring in finetune/recipe/schema.py"
         assert f"| `{key}` |" in page
     assert "| `lora.r` | int (>= 1, <= 4096) | `16` |" in page
     assert "| `model.revision` | str / null | `null` |" in page

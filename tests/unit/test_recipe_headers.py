@@ -7,7 +7,7 @@ import pytest
 
 from finetune.plan import headers
 from finetune import cli
-from finetune.plan import preflight as validate
+from finetune.train import preflight as validate
 from finetune.util.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,7 +22,7 @@ def test_header_matches_a_fresh_plan(name):
     path = ROOT / "recipes" / name
     _, block, _ = headers.split_header(path.read_text())
     assert block, f"{name} has no plan header; add one with `python -m finetune estimate --update-headers {path}`"
-    assert block == headers.plan_block(path), f"{name}: header drifted; run python -m finetune.estimate " \
+    assert block == headers.plan_block(path), f"{name}: header drifted; run python -m finetune estimate " \
                                               "--update-headers recipes/"
 
 

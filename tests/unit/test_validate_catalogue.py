@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from finetune import cli
-from finetune.plan import preflight as validate
-from finetune.util.devices import cuda_facts
+from finetune.train import preflight as validate
+from finetune.train.preflight import cuda_facts
 from finetune.util.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,8 +8,10 @@ directory can be written and its disk holds the checkpoints the recipe keeps (fi
 """
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
+import sys
 from dataclasses import replace
 
 from finetune.plan import estimate as E
@@ -18,13 +20,24 @@ from finetune.plan.disk import output_problems
 from finetune.plan.launcher import launcher_problems
 from finetune.util.errors import Problem
 from finetune.recipe import Recipe, contract_problems
-from finetune.util.devices import cuda_facts
 
 LAUNCH_VARS = ("WORLD_SIZE", "LOCAL_RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION")
 
 
 def _launched(env) -> bool:
     return any(k in env for k in LAUNCH_VARS)
+
+
+def cuda_facts() -> tuple[int, bool, int | None]:
+    """(device count, bf16 supported, memory of device 0 in bytes). torch is imported (seconds) only when it
+    already is, or when an NVIDIA or ROCm device node exists: on machines without GPUs validate stays quick."""
+    if "torch" not in sys.modules and not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+        return 0, False, None
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0, False, None
+    return torch.cuda.device_count(), torch.cuda.is_bf16_supported(), torch.cuda.get_device_properties(0).total_memory
 
 
 def model_problems(r: Recipe) -> tuple[list[Problem], object]:

@@ -1,0 +1,169 @@
+"""The package's shape (docs/architecture.md): layers import only downward, no import cycles, the planner and
+the recipe never import torch, and modules and functions stay small. Imports inside functions count too."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "finetune"
+# Highest first: a module may import its own layer and the layers after it.
+LAYERS = ["cli", "commands", "merge", "train", "data", "plan", "recipe", "util"]
+TORCH_FREE = ("plan", "recipe")
+HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "trl", "safetensors")
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def module_files(package: Path) -> dict[str, Path]:
+    out = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def imports_of(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every finetune module `name` imports, at top level or inside functions. `from a.b import c` counts as
+    an import of a.b.c when that is a module, else of a.b."""
+    top = name.split(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                package = package[: len(package) - node.level + 1]
+                base = ".".join(package + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in modules:
+                t = t.rpartition(".")[0]
+            if t.split(".")[0] == top and t != name:
+                found.add(t)
+    return found
+
+
+def external_imports(path: Path) -> set[str]:
+    """Top-level names of the libraries a module imports anywhere in it."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def layer(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return None  # the package itself
+    key = "cli" if parts[1] in ("cli", "__main__") else parts[1]
+    return LAYERS.index(key)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                  if layer(a) is not None and layer(b) is not None and layer(b) < layer(a))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    modules = module_files(PACKAGE)
+    return {name: imports_of(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_module_belongs_to_a_layer(graph):
+    assert all(layer(m) is not None for m in graph if m != "finetune")
+
+
+def test_no_import_cycles(graph):
+    assert cycles(graph) == []
+
+
+def test_imports_point_only_downward(graph):
+    assert upward(graph) == []
+
+
+def test_planner_and_recipe_never_import_heavy_libraries():
+    bad = {str(p.relative_to(ROOT)): sorted(external_imports(p) & set(HEAVY))
+           for sub in TORCH_FREE for p in (PACKAGE / sub).rglob("*.py")}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_modules_and_functions_are_small():
+    too_big = []
+    for path in PACKAGE.rglob("*.py"):
+        source = path.read_text()
+        rel = path.relative_to(ROOT)
+        if len(source.splitlines()) > MAX_MODULE_LINES:
+            too_big.append(f"{rel}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if node.end_lineno - start + 1 > MAX_FUNCTION_LINES:
+                    too_big.append(f"{rel}:{node.lineno} {node.name}: {node.end_lineno - start + 1} lines")
+    assert too_big == []
+
+
+def test_the_checks_catch_what_they_look_for(tmp_path):
+    """The checkers themselves: a cycle, an upward import (inside a function) and a relative import."""
+    pkg = tmp_path / "finetune"
+    for sub in ("util", "plan"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "util" / "a.py").write_text("def f():\n    from finetune.plan import b\n")
+    (pkg / "plan" / "b.py").write_text("from ..util import a\n")
+    modules = module_files(pkg)
+    g = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert g["finetune.plan.b"] == {"finetune.util.a"} and g["finetune.util.a"] == {"finetune.plan.b"}
+    assert cycles(g) == [["finetune.plan.b", "finetune.util.a"]]
+    assert upward(g) == ["finetune.util.a -> finetune.plan.b"]
+
+
+def test_help_and_planning_answer_without_heavy_imports():
+    code = ("import sys; from finetune import cli; cli.main(['--help']); "
+            "cli.main(['estimate', 'recipes/llama3_70b_qlora.yaml', '--gpus', '2']); "
+            "assert not {'torch', 'transformers', 'peft'} & set(sys.modules), 'heavy import'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "validate" in out.stdout and "GPU memory per device" in out.stdout

@@ -1,0 +1,80 @@
+"""The command line: verbs from commands/, did-you-mean, and key=value overrides anywhere on the line."""
+import json
+from pathlib import Path
+
+import pytest
+
+from finetune import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+R8 = str(ROOT / "recipes" / "llama3_8b_qlora.yaml")
+TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
+
+
+def test_help_lists_every_verb(capsys):
+    assert cli.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for verb in ("train", "validate", "estimate", "accelerate-config", "data", "merge", "generate", "eval", "slurm"):
+        assert verb in out
+    assert cli.main([]) == 2  # no arguments: the help, as an error
+
+
+def test_verb_help_exits_0(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["estimate", "--help"])
+    assert e.value.code == 0 and "--gpu-memory" in capsys.readouterr().out
+
+
+def test_unknown_verb_suggests_the_closest(capsys):
+    assert cli.main(["estimat", "x"]) == 2
+    assert "did you mean 'estimate'?" in capsys.readouterr().err
+
+
+def test_bad_option_is_exit_2_without_traceback(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["estimate", R8, "--no-such-flag"])
+    assert e.value.code == 2 and "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [
+    ["estimate", R8, "train.micro_batch_size=1", "--gpus", "2", "--json"],
+    ["estimate", "--gpus", "2", R8, "--json", "train.micro_batch_size=1"],
+    ["estimate", "--json", "train.micro_batch_size=1", "--gpus", "2", R8],
+])
+def test_estimate_takes_overrides_anywhere(argv, capsys):
+    assert cli.main(argv) == 0
+    setup = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["setup"]
+    assert (setup["micro_batch"], setup["gpus"]) == (1, 2)
+
+
+def test_estimate_overrides_without_a_recipe(capsys):
+    assert cli.main(["estimate", "--model", "meta-llama/Llama-3.1-8B", "lora.r=64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["setup"]["lora_r"] == 64
+
+
+def test_override_without_equals_is_named(capsys):
+    assert cli.main(["validate", TINY, "max_steps"]) == 2
+    assert "unexpected argument 'max_steps'" in capsys.readouterr().err
+
+
+def test_validate_and_accelerate_config_take_overrides_between_options(capsys, tmp_path):
+    assert cli.main(["validate", "--gpus", "1", TINY, "train.max_steps=30", "--gpu-memory", "24GiB"]) == 0
+    out = tmp_path / "acc.yaml"
+    assert cli.main(["accelerate-config", R8, "--gpus", "2", "distributed.strategy=fsdp", "--output", str(out)]) == 0
+    assert "distributed_type: FSDP" in out.read_text()
+
+
+def test_data_takes_overrides_after_dataset(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"say {w}\n", "completion": w}) + "\n"
+                            for w in ("red", "blue", "green", "gold")))
+    assert cli.main(["data", TINY, "--dataset", str(rows), "data.eval_split=0", "--show", "1", "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (stats["rows"], stats["eval_rows"]) == (4, 0)
+
+
+def test_recipe_may_follow_its_overrides_but_must_be_given(capsys):
+    assert cli.main(["validate", "train.max_steps=30", TINY]) == 0
+    capsys.readouterr()
+    assert cli.main(["validate", "train.max_steps=30"]) == 2
+    assert "no recipe given" in capsys.readouterr().err
