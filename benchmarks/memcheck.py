@@ -22,7 +22,7 @@ from finetune.plan.archs import from_config
 
 def build_model(r: int = 16, dropout: float = 0.05):
     """The builtin tiny Llama loaded in 4-bit NF4 with double quantization and fp32 storage, plus LoRA on
-    every linear: the fp32-preserving setup of DESIGN.md, on CPU."""
+    every linear: the fp32-preserving setup (docs/architecture.md), on CPU."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig

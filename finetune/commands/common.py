@@ -16,7 +16,7 @@ def _is_override(word: str) -> bool:
     return "=" in word and not word.endswith((".yaml", ".yml"))
 
 
-def split_overrides(args: argparse.Namespace) -> None:
+def split_overrides(args: argparse.Namespace, required: bool = True) -> None:
     """Sort the positionals into the recipe and its overrides, wherever each stands: argparse fills
     `recipe` with the first positional, which may be an override when the recipe is optional."""
     words = [w for w in [args.recipe, *args.overrides] if w is not None]
@@ -25,6 +25,8 @@ def split_overrides(args: argparse.Namespace) -> None:
     if len(rest) > 1:
         raise RecipeError([f"unexpected argument '{rest[1]}': overrides are key=value, e.g. train.max_steps=5"])
     args.recipe = rest[0] if rest else None
+    if required and args.recipe is None:
+        raise RecipeError(["no recipe given: name a recipe YAML, e.g. recipes/tiny_cpu.yaml"])
 
 
 def load_recipe(args: argparse.Namespace):
@@ -32,8 +34,6 @@ def load_recipe(args: argparse.Namespace):
     from finetune.recipe import load
 
     split_overrides(args)
-    if args.recipe is None:
-        raise RecipeError(["no recipe given: name a recipe YAML, e.g. recipes/tiny_cpu.yaml"])
     return load(args.recipe, args.overrides)
 
 

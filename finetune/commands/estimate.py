@@ -69,7 +69,7 @@ def run(a) -> int:
             print(line)
         return 0
     at_least_one(a, "gpus", "machines", "seq_len", "micro_batch", "lora_r")
-    split_overrides(a)
+    split_overrides(a, required=False)
     try:
         p = build(setup_from_args(a))
     except ValueError as e:  # unknown model: where it looked and what it knows

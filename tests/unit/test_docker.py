@@ -1,4 +1,4 @@
-"""The Dockerfile installs exactly what CI tests, lints clean, and has the shape DESIGN.md promises.
+"""The Dockerfile installs exactly what CI tests, lints clean, and has the shape docs/cloud.md promises.
 
 No Docker engine runs here, so the image is never built in CI: these checks read the Dockerfile.
 """
