@@ -2,9 +2,9 @@
 
 `resolve(name)` finds a model's `config.json` (a local directory, the local Hugging Face cache, or
 `builtin:tiny-llama`) and falls back to a built-in table of common architectures under their hub ids, so a
-70B run can be planned on a laptop with nothing downloaded. The table holds public architecture facts
-(hidden size, layers, heads, KV heads, intermediate size, vocabulary, tied embeddings, MoE experts) in the
-same keys config.json uses, so both paths go through one parser.
+70B run can be planned on a laptop with nothing downloaded. The table (architectures.json beside this module)
+holds public architecture facts (hidden size, layers, heads, KV heads, intermediate size, vocabulary, tied
+embeddings, MoE experts) in the same keys config.json uses, so both paths go through one parser.
 """
 from __future__ import annotations
 
@@ -13,86 +13,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-# Keys as in each model's config.json. Base and instruct variants share shapes; aliases are listed below.
-_LLAMA2 = dict(model_type="llama", vocab_size=32000, tie_word_embeddings=False)
-_LLAMA3 = dict(model_type="llama", vocab_size=128256, tie_word_embeddings=False, num_key_value_heads=8)
-_QWEN25 = dict(model_type="qwen2", vocab_size=152064, tie_word_embeddings=False, attention_bias=True)
-# Mixtral 8x7B shares Mistral 7B's dimensions; each expert is one Mistral-sized MLP
-_MISTRAL7B = dict(model_type="mistral", tie_word_embeddings=False, hidden_size=4096, intermediate_size=14336,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
-_GEMMA2 = dict(model_type="gemma2", vocab_size=256000, tie_word_embeddings=True)
-
-TABLE: dict[str, dict] = {
-    "meta-llama/Llama-2-7b-hf": dict(_LLAMA2, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
-                                     num_attention_heads=32, num_key_value_heads=32),
-    "meta-llama/Llama-2-13b-hf": dict(_LLAMA2, hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                                      num_attention_heads=40, num_key_value_heads=40),
-    "meta-llama/Llama-2-70b-hf": dict(_LLAMA2, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                      num_attention_heads=64, num_key_value_heads=8),
-    "meta-llama/Meta-Llama-3-8B": dict(_LLAMA3, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                                       num_attention_heads=32),
-    "meta-llama/Meta-Llama-3-70B": dict(_LLAMA3, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                                        num_attention_heads=64),
-    "meta-llama/Llama-3.1-405B": dict(_LLAMA3, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
-                                      num_attention_heads=128),
-    "mistralai/Mistral-7B-v0.1": dict(_MISTRAL7B, vocab_size=32000),
-    "mistralai/Mistral-7B-v0.3": dict(_MISTRAL7B, vocab_size=32768),
-    "mistralai/Mixtral-8x7B-v0.1": dict(_MISTRAL7B, model_type="mixtral", vocab_size=32000, num_local_experts=8,
-                                        num_experts_per_tok=2),
-    "Qwen/Qwen2.5-7B": dict(_QWEN25, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                            num_attention_heads=28, num_key_value_heads=4),
-    "Qwen/Qwen2.5-14B": dict(_QWEN25, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
-                             num_attention_heads=40, num_key_value_heads=8),
-    "Qwen/Qwen2.5-32B": dict(_QWEN25, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
-                             num_attention_heads=40, num_key_value_heads=8),
-    "Qwen/Qwen2.5-72B": dict(_QWEN25, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
-                             num_attention_heads=64, num_key_value_heads=8),
-    "google/gemma-2-9b": dict(_GEMMA2, hidden_size=3584, intermediate_size=14336, num_hidden_layers=42,
-                              num_attention_heads=16, num_key_value_heads=8, head_dim=256),
-    "google/gemma-2-27b": dict(_GEMMA2, hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
-                               num_attention_heads=32, num_key_value_heads=16, head_dim=128),
-    "microsoft/Phi-3-mini-4k-instruct": dict(model_type="phi3", vocab_size=32064, tie_word_embeddings=False,
-                                             hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
-                                             num_attention_heads=32, num_key_value_heads=32),
-    "01-ai/Yi-34B": dict(model_type="llama", vocab_size=64000, tie_word_embeddings=False, hidden_size=7168,
-                         intermediate_size=20480, num_hidden_layers=60, num_attention_heads=56,
-                         num_key_value_heads=8),
-    # Falcon's "new decoder architecture": fused QKV with 8 KV groups, plain 4x GELU MLP, LayerNorm with bias.
-    "tiiuae/falcon-40b": dict(model_type="falcon", vocab_size=65024, tie_word_embeddings=True, hidden_size=8192,
-                              num_hidden_layers=60, num_attention_heads=128, num_kv_heads=8,
-                              new_decoder_architecture=True),
-}
-
-ALIASES = {
-    "meta-llama/Llama-2-7b-chat-hf": "meta-llama/Llama-2-7b-hf",
-    "meta-llama/Llama-2-13b-chat-hf": "meta-llama/Llama-2-13b-hf",
-    "meta-llama/Llama-2-70b-chat-hf": "meta-llama/Llama-2-70b-hf",
-    "meta-llama/Meta-Llama-3-8B-Instruct": "meta-llama/Meta-Llama-3-8B",
-    "meta-llama/Meta-Llama-3-70B-Instruct": "meta-llama/Meta-Llama-3-70B",
-    "meta-llama/Llama-3.1-8B": "meta-llama/Meta-Llama-3-8B",
-    "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Meta-Llama-3-8B",
-    "meta-llama/Meta-Llama-3.1-8B": "meta-llama/Meta-Llama-3-8B",
-    "meta-llama/Meta-Llama-3.1-8B-Instruct": "meta-llama/Meta-Llama-3-8B",
-    "meta-llama/Llama-3.1-70B": "meta-llama/Meta-Llama-3-70B",
-    "meta-llama/Llama-3.1-70B-Instruct": "meta-llama/Meta-Llama-3-70B",
-    "meta-llama/Meta-Llama-3.1-70B": "meta-llama/Meta-Llama-3-70B",
-    "meta-llama/Meta-Llama-3.1-70B-Instruct": "meta-llama/Meta-Llama-3-70B",
-    "meta-llama/Llama-3.1-405B-Instruct": "meta-llama/Llama-3.1-405B",
-    "meta-llama/Meta-Llama-3.1-405B": "meta-llama/Llama-3.1-405B",
-    "mistralai/Mistral-7B-Instruct-v0.1": "mistralai/Mistral-7B-v0.1",
-    "mistralai/Mistral-7B-Instruct-v0.2": "mistralai/Mistral-7B-v0.1",
-    "mistralai/Mistral-7B-Instruct-v0.3": "mistralai/Mistral-7B-v0.3",
-    "mistralai/Mixtral-8x7B-Instruct-v0.1": "mistralai/Mixtral-8x7B-v0.1",
-    "Qwen/Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B",
-    "Qwen/Qwen2.5-14B-Instruct": "Qwen/Qwen2.5-14B",
-    "Qwen/Qwen2.5-32B-Instruct": "Qwen/Qwen2.5-32B",
-    "Qwen/Qwen2.5-72B-Instruct": "Qwen/Qwen2.5-72B",
-    "google/gemma-2-9b-it": "google/gemma-2-9b",
-    "google/gemma-2-27b-it": "google/gemma-2-27b",
-    "microsoft/Phi-3-mini-128k-instruct": "microsoft/Phi-3-mini-4k-instruct",
-    "01-ai/Yi-34B-Chat": "01-ai/Yi-34B",
-    "tiiuae/falcon-40b-instruct": "tiiuae/falcon-40b",
-}
+# Hub id -> config.json keys of common architectures, and instruct/renamed ids -> the id that holds their shapes.
+_KNOWN = json.loads((Path(__file__).parent / "architectures.json").read_text())
+TABLE: dict[str, dict] = _KNOWN["models"]
+ALIASES: dict[str, str] = _KNOWN["aliases"]
 
 # Decoder layer class per model_type: what FSDP wraps and checkpointing recomputes.
 LAYER_CLASS = {"llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "mixtral": "MixtralDecoderLayer",
