@@ -123,6 +123,7 @@ class _Merger:
 
 
 def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, max_bytes: int) -> dict:
+    """The merged weights as planned output shards (+ index), each written as soon as it is full."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
@@ -141,7 +142,7 @@ def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, m
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
         del tensors
         _release_freed_memory()
-    merger.handle = None
+    merger.handle = None  # unmap the last input shard before the next step reads more
     if len(names) > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
