@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from finetune.util.dtypes import torch_dtype
+
 FULL_CHECK_MAX_BYTES = 8 * 2**30  # fp32 bytes of the model; ~2B parameters
 # Tolerance on max |logit difference| / max |reference logit|, by the coarser of the written dtype and
 # the dtype training held the base in. bf16 keeps 8 mantissa bits (relative rounding 2^-9 per weight);
@@ -33,11 +35,9 @@ FALLBACK_PROMPTS = ["The quick brown fox", "reverse: red blue green\n", "Once up
 def parity_check(src, out_dir: Path, target: str, full_limit_bytes: int | None = None) -> dict:
     import psutil
 
-    from finetune.merge.plan import RECIPE_DTYPES
-
     cfg = json.loads((Path(out_dir) / "config.json").read_text())
-    out_dtype = getattr(torch, cfg["dtype"])
-    train_dtype = RECIPE_DTYPES[src.recipe.model.dtype] if (target == "nf4" and src.recipe) else torch.float32
+    out_dtype = torch_dtype(cfg["dtype"])
+    train_dtype = torch_dtype(src.recipe.model.dtype) if (target == "nf4" and src.recipe) else torch.float32
     tol = max(TOLERANCE[out_dtype], TOLERANCE[train_dtype])
     fp32_bytes = 4 * _num_params(Path(out_dir))
     limit = FULL_CHECK_MAX_BYTES if full_limit_bytes is None else full_limit_bytes
@@ -66,13 +66,13 @@ def _num_params(out_dir: Path) -> int:
 
 def check_prompts(src, n: int = 4) -> list[str]:
     """Held-out prompts: the recipe's eval set if it is a local/builtin jsonl, else fixed generic text."""
-    from finetune.util.builtin import BUILTIN_DATASETS
+    from finetune.util.builtin import BUILTIN_DATASETS, builtin_dir
 
     paths = []
     if src.recipe is not None:
         for s in list(src.recipe.data.eval_sources) + list(src.recipe.data.sources):
             if s.path in BUILTIN_DATASETS:
-                paths.append(BUILTIN_DATASETS[s.path]() / "eval.jsonl")  # held out by construction
+                paths.append(builtin_dir(s.path) / "eval.jsonl")  # held out by construction
         paths += [Path(s.path) for s in src.recipe.data.eval_sources if s.path.endswith(".jsonl")]
     for p in paths:
         if p.is_file():
@@ -138,46 +138,73 @@ def _logits_check(src, out_dir: Path, target: str) -> dict:
 
 def _layer_check(src, out_dir: Path, target: str, n_layers: int = 8) -> dict:
     """Big models: peft's LoRA Linear on the base weight vs the merged weight read back from disk."""
-    from peft import LoraConfig
-    from peft.tuners.lora.layer import Linear as LoraLinear
-    from peft.utils.other import get_pattern_key
     from safetensors import safe_open
 
-    from finetune.merge.source import base_tensors, four_bit_weights, quant_spec
-    from finetune.merge.plan import pair_keys, quant_roundtrip
+    from finetune.merge.plan import pair_keys
 
     ad = safe_open(str(src.adapter_dir / "adapter_model.safetensors"), framework="pt")
     pairs = list(pair_keys(ad.keys()).items())
     picked = [pairs[round(i * (len(pairs) - 1) / max(n_layers - 1, 1))] for i in range(min(n_layers, len(pairs)))]
-    where_in = {t.name: t.source for t in base_tensors(src.base_dir)}
-    index = out_dir / "model.safetensors.index.json"
-    where_out = json.loads(index.read_text())["weight_map"] if index.is_file() else None
-    four_bit = four_bit_weights(src.base_dir) if target == "nf4" else set()
+    base_weight, merged_weight = _base_reader(src, target), _merged_reader(out_dir)
     gen = torch.Generator().manual_seed(0)
     diff = scale = 0.0
     for module, (ka, kb) in picked:
         name = f"{module}.weight"
+        w, a, b = base_weight(name), ad.get_tensor(ka).float(), ad.get_tensor(kb).float()
+        layer = _peft_layer(src.adapter_config, module, w, a, b)
+        x = torch.randn(4, w.shape[1], generator=gen)
+        with torch.no_grad():
+            want, got = layer(x), x @ merged_weight(name).T
+        diff, scale = max(diff, (got - want).abs().max().item()), max(scale, want.abs().max().item())
+    return {"kind": "layer", "layers": len(picked), "reference": "peft LoRA layer on the base weight",
+            "max_abs_diff": diff, "rel_diff": diff / max(scale, 1e-12)}
+
+
+def _base_reader(src, target: str):
+    """name -> the base weight as the target says training held it (read from the base's shards)."""
+    from safetensors import safe_open
+
+    from finetune.merge.plan import quant_roundtrip
+    from finetune.merge.source import base_tensors, four_bit_weights, quant_spec
+
+    where_in = {t.name: t.source for t in base_tensors(src.base_dir)}
+    four_bit = four_bit_weights(src.base_dir) if target == "nf4" else set()
+
+    def read(name: str) -> torch.Tensor:
         with safe_open(str(src.base_dir / where_in[name]), framework="pt") as f:
             w = f.get_tensor(name)
         if target == "nf4":
             q = quant_spec(src.recipe)
             w = quant_roundtrip(w, q) if name in four_bit else w.to(q.dtype)
+        return w
+    return read
+
+
+def _merged_reader(out_dir: Path):
+    """name -> the merged weight in fp32, read back from the written shards."""
+    from safetensors import safe_open
+
+    index = out_dir / "model.safetensors.index.json"
+    where_out = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+
+    def read(name: str) -> torch.Tensor:
         with safe_open(str(out_dir / (where_out[name] if where_out else "model.safetensors")), "pt") as f:
-            merged = f.get_tensor(name).float()
-        a, b = ad.get_tensor(ka).float(), ad.get_tensor(kb).float()
-        cfg = src.adapter_config
-        alpha = (cfg.get("alpha_pattern") or {}).get(
-            get_pattern_key((cfg.get("alpha_pattern") or {}).keys(), module), cfg.get("lora_alpha", 8))
-        base = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
-        base.weight.data = w.float()
-        # peft's own layer computes the scale (alpha/r or rslora's alpha/sqrt(r)) and the A-then-B forward,
-        # independently of the arithmetic in merge_plan.
-        lcfg = LoraConfig(r=a.shape[0], lora_alpha=alpha, lora_dropout=0.0, use_rslora=bool(cfg.get("use_rslora")))
-        layer = LoraLinear(base, "default", lcfg, r=a.shape[0], lora_alpha=alpha)
-        layer.lora_A["default"].weight.data, layer.lora_B["default"].weight.data = a, b
-        x = torch.randn(4, w.shape[1], generator=gen)
-        with torch.no_grad():
-            want, got = layer(x), x @ merged.T
-        diff, scale = max(diff, (got - want).abs().max().item()), max(scale, want.abs().max().item())
-    return {"kind": "layer", "layers": len(picked), "reference": "peft LoRA layer on the base weight",
-            "max_abs_diff": diff, "rel_diff": diff / max(scale, 1e-12)}
+            return f.get_tensor(name).float()
+    return read
+
+
+def _peft_layer(cfg: dict, module: str, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+    """peft's LoRA Linear around the base weight `w`: peft's own layer computes the scale (alpha/r or
+    rslora's alpha/sqrt(r)) and the A-then-B forward, independently of the arithmetic in merge.plan."""
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    from finetune.merge.plan import lora_alpha
+
+    alpha = lora_alpha(cfg, module)
+    base = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    base.weight.data = w.float()
+    lcfg = LoraConfig(r=a.shape[0], lora_alpha=alpha, lora_dropout=0.0, use_rslora=bool(cfg.get("use_rslora")))
+    layer = LoraLinear(base, "default", lcfg, r=a.shape[0], lora_alpha=alpha)
+    layer.lora_A["default"].weight.data, layer.lora_B["default"].weight.data = a, b
+    return layer

@@ -14,8 +14,8 @@ import torch
 
 from finetune.util.errors import RecipeError
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-RECIPE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+OUT_DTYPES = ("bf16", "fp16", "fp32")  # `merge --dtype`: the dtypes a merged model is written in
+
 # ---------------------------------------------------------------------------------------------------
 # Adapter: which features we can fold into plain weights, and where each LoRA pair goes.
 
@@ -95,16 +95,24 @@ def pair_keys(adapter_keys) -> dict[str, tuple[str, str]]:
 
 def scaling(cfg: dict, module: str, rank: int) -> float:
     """peft's scale for one module: alpha / r, or alpha / sqrt(r) with rslora; per-module patterns win."""
-    from peft.utils.other import get_pattern_key  # peft's own matcher, so patterns resolve exactly as in training
-
-    alpha_pattern = cfg.get("alpha_pattern") or {}
-    rank_pattern = cfg.get("rank_pattern") or {}
-    alpha = alpha_pattern.get(get_pattern_key(alpha_pattern.keys(), module), cfg.get("lora_alpha", 8))
-    r = rank_pattern.get(get_pattern_key(rank_pattern.keys(), module), cfg.get("r", 8))
+    alpha = lora_alpha(cfg, module)
+    r = _per_module(cfg, "rank_pattern", module, cfg.get("r", 8))
     if r != rank:
         raise RecipeError([f"{module}: adapter_config says rank {r}, the saved lora_A has rank {rank}"],
                           "adapter")
     return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+
+
+def lora_alpha(cfg: dict, module: str) -> float:
+    """The module's alpha: its alpha_pattern entry, else the adapter's lora_alpha."""
+    return _per_module(cfg, "alpha_pattern", module, cfg.get("lora_alpha", 8))
+
+
+def _per_module(cfg: dict, key: str, module: str, default):
+    from peft.utils.other import get_pattern_key  # peft's own matcher, so patterns resolve exactly as in training
+
+    pattern = cfg.get(key) or {}
+    return pattern.get(get_pattern_key(pattern.keys(), module), default)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from finetune import recipe as recipe_mod
-from finetune.merge.plan import RECIPE_DTYPES, QuantSpec, TensorInfo, adapter_problems
+from finetune.merge.plan import QuantSpec, TensorInfo, adapter_problems
+from finetune.util.builtin import BUILTIN_MODELS, builtin_dir
+from finetune.util.dtypes import torch_dtype
 from finetune.util.errors import RecipeError
 
 
@@ -53,13 +55,11 @@ def resolve_source(path: str | os.PathLike) -> Source:
 
 def find_base(cfg: dict, recipe) -> tuple[str, Path]:
     """The adapter's own base_model_name_or_path first (what training wrote), then the recipe's model."""
-    from finetune.util.builtin import BUILTIN_MODELS
-
     names = [n for n in (cfg.get("base_model_name_or_path"), recipe and recipe.model.name) if n]
     revision = cfg.get("revision") or (recipe.model.revision if recipe else None)
     for name in names:
-        if name in BUILTIN_MODELS:
-            return name, BUILTIN_MODELS[name]()
+        if name in BUILTIN_MODELS:  # only known builtin models: any other name may be a local dir or cached
+            return name, builtin_dir(name)
         if Path(name).expanduser().is_dir():
             return name, Path(name).expanduser().resolve()
     for name in names:
@@ -100,10 +100,11 @@ def base_tensors(base_dir: Path) -> list[TensorInfo]:
 
 
 def st_dtype(code: str) -> torch.dtype:
-    table = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-             "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-             "BOOL": torch.bool}
-    return table.get(code, torch.uint8)
+    """A safetensors header dtype; codes torch has no name for (F8_*, U16...) count as bytes."""
+    try:
+        return torch_dtype(code)
+    except ValueError:
+        return torch.uint8
 
 
 def four_bit_weights(base_dir: Path) -> set[str]:
@@ -128,4 +129,4 @@ def quant_spec(recipe) -> QuantSpec:
     if q.mode not in ("nf4", "fp4"):
         raise RecipeError([f"--target nf4: this run trained on a {q.mode!r} base, not a 4-bit one; "
                            "use --target original"], "merge")
-    return QuantSpec(quant_type=q.mode, double_quant=q.double_quant, dtype=RECIPE_DTYPES[recipe.model.dtype])
+    return QuantSpec(quant_type=q.mode, double_quant=q.double_quant, dtype=torch_dtype(recipe.model.dtype))

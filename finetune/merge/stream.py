@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -25,9 +24,13 @@ from pathlib import Path
 
 import torch
 
-from finetune.merge.plan import DTYPES, lora_delta, merged_tensor, pair_keys, plan_shards, scaling, shard_names
+from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, merged_tensor, pair_keys, plan_shards, scaling,
+                                 shard_names)
 from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
+from finetune.util.atomic import replace_dir
+from finetune.util.dtypes import recipe_name, torch_dtype
 from finetune.util.errors import RecipeError
+from finetune.util.log import log
 from finetune.util.units import parse_size
 
 FORMAT_VERSION = 1  # bump when the output layout or arithmetic changes: old outputs are then not "up to date"
@@ -70,56 +73,81 @@ def _release_freed_memory():
         lib.malloc_trim(0)
 
 
-def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, max_bytes: int) -> dict:
+def _adapter_pairs(src: Source, infos: list[TensorInfo]):
+    """The open adapter file and {base weight name: (lora_A key, lora_B key)}, checked against the base."""
     from safetensors import safe_open
+
+    adapter = src.adapter_dir / "adapter_model.safetensors"
+    if not adapter.is_file():
+        raise RecipeError([f"{adapter} not found (merge reads safetensors adapters only)"], "merge")
+    ad = safe_open(str(adapter), framework="pt")  # small; read one A/B pair at a time anyway
+    by_weight = {f"{mod}.weight": ab for mod, ab in pair_keys(ad.keys()).items()}
+    missing = sorted(set(by_weight) - {t.name for t in infos})
+    if missing:
+        raise RecipeError([f"the adapter targets {len(missing)} weights the base does not have, e.g. "
+                           f"{missing[0]}: wrong base model?"], "merge")
+    return ad, by_weight
+
+
+class _Merger:
+    """The output tensors, one at a time in the planned order: the base tensor as the target says training
+    held it, plus its LoRA update if the adapter has one. Records the scale of every merged weight."""
+
+    def __init__(self, src: Source, infos: list[TensorInfo], target: str, out_dtype: torch.dtype):
+        self.src, self.out_dtype = src, out_dtype
+        self.adapter, self.by_weight = _adapter_pairs(src, infos)
+        self.quant, self.four_bit = None, set()
+        if target == "nf4":
+            self.quant, self.four_bit = quant_spec(src.recipe), four_bit_weights(src.base_dir)
+        self.scales: dict[str, float] = {}
+        self.handle, self.handle_name = None, None
+
+    def tensor(self, t: TensorInfo) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if self.handle_name != t.source:  # input shards are visited in order: one open at a time
+            self.handle, self.handle_name = safe_open(str(self.src.base_dir / t.source), framework="pt"), t.source
+        delta = self._delta(t.name)
+        quant = self.quant
+        return merged_tensor(self.handle.get_tensor(t.name), self.out_dtype, delta,
+                             quant=quant if t.name in self.four_bit else None,
+                             cast_to=quant.dtype if quant is not None else None)
+
+    def _delta(self, name: str) -> torch.Tensor | None:
+        if name not in self.by_weight:
+            return None
+        ka, kb = self.by_weight[name]
+        a, b = self.adapter.get_tensor(ka), self.adapter.get_tensor(kb)
+        self.scales[name] = scaling(self.src.adapter_config, name.removesuffix(".weight"), a.shape[0])
+        return lora_delta(a, b, self.scales[name])
+
+
+def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, max_bytes: int) -> dict:
+    """The merged weights as planned output shards (+ index), each written as soon as it is full."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     _map_large_buffers()
     infos = base_tensors(src.base_dir)
-    adapter = src.adapter_dir / "adapter_model.safetensors"
-    if not adapter.is_file():
-        raise RecipeError([f"{adapter} not found (merge reads safetensors adapters only)"], "merge")
-    ad = safe_open(str(adapter), framework="pt")  # small; read one A/B pair at a time anyway
-    pairs = pair_keys(ad.keys())
-    by_weight = {f"{mod}.weight": ab for mod, ab in pairs.items()}
-    missing = sorted(set(by_weight) - {t.name for t in infos})
-    if missing:
-        raise RecipeError([f"the adapter targets {len(missing)} weights the base does not have, e.g. "
-                           f"{missing[0]}: wrong base model?"], "merge")
-    quant, four_bit = None, set()
-    if target == "nf4":
-        quant, four_bit = quant_spec(src.recipe), four_bit_weights(src.base_dir)
+    merger = _Merger(src, infos, target, out_dtype)
     shards = plan_shards(infos, out_dtype, max_bytes)
     names = shard_names(len(shards))
-    weight_map, total, scales = {}, 0, {}
-    handle, handle_name = None, None
+    weight_map, total = {}, 0
     for shard, fname in tqdm(list(zip(shards, names)), desc="merge", unit="shard", disable=None):
         tensors = {}
         for t in shard:
-            if handle_name != t.source:  # input shards are visited in order: one open at a time
-                handle, handle_name = safe_open(str(src.base_dir / t.source), framework="pt"), t.source
-            delta = None
-            if t.name in by_weight:
-                ka, kb = by_weight[t.name]
-                a, b = ad.get_tensor(ka), ad.get_tensor(kb)
-                scales[t.name] = scaling(src.adapter_config, t.name.removesuffix(".weight"), a.shape[0])
-                delta = lora_delta(a, b, scales[t.name])
-            tensors[t.name] = merged_tensor(
-                handle.get_tensor(t.name), out_dtype, delta,
-                quant=quant if t.name in four_bit else None,
-                cast_to=quant.dtype if quant is not None else None)
+            tensors[t.name] = merger.tensor(t)
             weight_map[t.name] = fname
             total += tensors[t.name].numel() * tensors[t.name].element_size()
         save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
         del tensors
         _release_freed_memory()
-    handle = None
+    merger.handle = None  # unmap the last input shard before the next step reads more
     if len(names) > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2, sort_keys=True) + "\n")
-    return {"shards": len(names), "bytes": total, "merged_weights": len(scales),
-            "scales": sorted(set(scales.values())), "four_bit_weights": len(four_bit & set(weight_map))}
+    return {"shards": len(names), "bytes": total, "merged_weights": len(merger.scales),
+            "scales": sorted(set(merger.scales.values())), "four_bit_weights": len(merger.four_bit & set(weight_map))}
 
 
 def _write_extras(src: Source, tmp: Path, out_dtype: torch.dtype) -> None:
@@ -128,9 +156,8 @@ def _write_extras(src: Source, tmp: Path, out_dtype: torch.dtype) -> None:
     from transformers import AutoTokenizer
 
     cfg = json.loads((src.base_dir / "config.json").read_text())
-    name = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}[out_dtype]
     cfg.pop("torch_dtype", None)
-    cfg["dtype"] = name
+    cfg["dtype"] = recipe_name(out_dtype)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if (src.base_dir / "generation_config.json").is_file():
         shutil.copyfile(src.base_dir / "generation_config.json", tmp / "generation_config.json")
@@ -156,56 +183,70 @@ def fingerprint(src: Source, target: str, dtype: str, max_bytes: int) -> dict:
     return json.loads(json.dumps(fp))  # the form it takes in merge_info.json, so the two compare equal
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Rename tmp into place. An existing output (only with --force) is moved aside first and deleted
-    after, so at every instant `out` is either the old complete output or the new one."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-    os.rename(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _check_options(target: str, dtype: str, max_shard_size) -> int:
+    """The CLI's choices, checked again for callers of merge(); returns the shard limit in bytes."""
+    if target not in ("original", "nf4"):
+        raise RecipeError([f"--target: expected original or nf4, got {target!r}"], "merge")
+    if dtype not in OUT_DTYPES:
+        raise RecipeError([f"--dtype: expected one of {', '.join(OUT_DTYPES)}, got {dtype!r}"], "merge")
+    return parse_size(max_shard_size, "--max-shard-size")
+
+
+def _output_dir(src: Source, output) -> Path:
+    """--output, else RUN_DIR/merged (ADAPTER_DIR/merged for a plain adapter); never around the inputs."""
+    out = Path(output).expanduser().resolve() if output else (src.run_dir or src.adapter_dir) / "merged"
+    for inside in (src.adapter_dir, src.base_dir):
+        if inside == out or out in inside.parents:
+            raise RecipeError([f"--output {out} contains the inputs ({inside}); pick another directory"], "merge")
+    return out
+
+
+def _up_to_date(out: Path, fp: dict, force: bool) -> bool:
+    """True when `out` already holds this very merge; RecipeError for any other non-empty `out` without --force."""
+    if not out.exists() or not any(out.iterdir()) or force:
+        return False
+    info = out / "merge_info.json"
+    if info.is_file() and json.loads(info.read_text()).get("inputs") == fp:
+        return True
+    raise RecipeError([f"output {out} is not empty; pass --force to replace it"], "merge")
+
+
+def _write_output(src: Source, tmp: Path, out: Path, target: str, dtype: str, max_bytes: int, fp: dict,
+                  check: bool) -> dict:
+    """Weights, config, tokenizer, parity check, model card and merge_info.json into `tmp`; returns the
+    shard stats. RuntimeError when the parity check failed (`out` is then left as it was)."""
+    from finetune.merge.card import model_card
+    from finetune.merge.check import parity_check
+
+    stats = _write_shards(src, tmp, target, torch_dtype(dtype), max_bytes)
+    _write_extras(src, tmp, torch_dtype(dtype))
+    result = parity_check(src, tmp, target) if check else {"status": "skipped (--no-check)"}
+    log.info(f"merge: parity {result['status']}" + (f": {result['summary']}" if "summary" in result else ""))
+    (tmp / "README.md").write_text(model_card(src, target, dtype, stats, result))
+    (tmp / "merge_info.json").write_text(json.dumps(
+        {"inputs": fp, "stats": stats, "parity": result}, indent=2, sort_keys=True) + "\n")
+    if result["status"] == "failed":
+        raise RuntimeError(f"merge parity check failed: {result['summary']}; nothing was written to {out}")
+    return stats
 
 
 def merge(source, output=None, target: str = "original", dtype: str = "bf16", max_shard_size="5GB",
           force: bool = False, check: bool = True) -> Path:
     """Merge the adapter of `source` (run dir or PEFT adapter dir) into its base; returns the output dir."""
-    from finetune.merge.card import model_card
-    from finetune.merge.check import parity_check
-
-    if target not in ("original", "nf4"):
-        raise RecipeError([f"--target: expected original or nf4, got {target!r}"], "merge")
-    if dtype not in DTYPES:
-        raise RecipeError([f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}"], "merge")
-    max_bytes = parse_size(max_shard_size, "--max-shard-size")
+    max_bytes = _check_options(target, dtype, max_shard_size)
     src = resolve_source(source)
-    out = Path(output).expanduser().resolve() if output else (src.run_dir or src.adapter_dir) / "merged"
-    for inside in (src.adapter_dir, src.base_dir):
-        if inside == out or out in inside.parents:
-            raise RecipeError([f"--output {out} contains the inputs ({inside}); pick another directory"], "merge")
+    out = _output_dir(src, output)
     fp = fingerprint(src, target, dtype, max_bytes)
-    if out.exists() and any(out.iterdir()) and not force:
-        info = out / "merge_info.json"
-        if info.is_file() and json.loads(info.read_text()).get("inputs") == fp:
-            print(f"merge: {out} is up to date (same adapter, base and settings); nothing to do")
-            return out
-        raise RecipeError([f"output {out} is not empty; pass --force to replace it"], "merge")
+    if _up_to_date(out, fp, force):
+        log.info(f"merge: {out} is up to date (same adapter, base and settings); nothing to do")
+        return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        stats = _write_shards(src, tmp, target, DTYPES[dtype], max_bytes)
-        _write_extras(src, tmp, DTYPES[dtype])
-        result = parity_check(src, tmp, target) if check else {"status": "skipped (--no-check)"}
-        print(f"merge: parity {result['status']}" + (f": {result['summary']}" if "summary" in result else ""))
-        (tmp / "README.md").write_text(model_card(src, target, dtype, stats, result))
-        (tmp / "merge_info.json").write_text(json.dumps(
-            {"inputs": fp, "stats": stats, "parity": result}, indent=2, sort_keys=True) + "\n")
-        if result["status"] == "failed":
-            raise RuntimeError(f"merge parity check failed: {result['summary']}; nothing was written to {out}")
-        _replace_dir(tmp, out)
+        stats = _write_output(src, tmp, out, target, dtype, max_bytes, fp, check)
+        replace_dir(tmp, out)  # at every instant `out` is the old complete output or the new one
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"merge: wrote {stats['shards']} shard(s), {stats['bytes'] / 1e6:.1f} MB, "
-          f"{stats['merged_weights']} merged weights -> {out}")
+    log.info(f"merge: wrote {stats['shards']} shard(s), {stats['bytes'] / 1e6:.1f} MB, "
+             f"{stats['merged_weights']} merged weights -> {out}")
     return out
