@@ -27,7 +27,7 @@ def plain_run(overrides: list[str], warmup: int, steps: int) -> dict:
     from benchmarks.common import TINY_RECIPE
     from finetune import recipe as recipe_mod
     from finetune.util import builtin as tiny
-    from finetune.data.pipeline import prepare
+    from finetune.data.prepare import prepare
 
     rec = recipe_mod.load(TINY_RECIPE, overrides)  # read for its numbers only; none of its code runs below
     t, lo = rec.train, rec.lora

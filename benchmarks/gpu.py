@@ -166,7 +166,7 @@ def measure(a: argparse.Namespace, argv: list[str], run_dir: Path) -> dict | Non
     """Train on the GPU(s); the result dict on rank 0, None elsewhere."""
     import torch
 
-    from finetune.data import pipeline as data_mod
+    from finetune.data.prepare import prepare
     from finetune.plan.archs import resolve
     from finetune.train.model import load_tokenizer
     from finetune.recipe import load
@@ -178,7 +178,7 @@ def measure(a: argparse.Namespace, argv: list[str], run_dir: Path) -> dict | Non
     peaks = _peaks(torch)
     if int(os.environ.get("RANK", "0")) != 0:
         return None
-    stats = data_mod.prepare(rec.data, load_tokenizer(rec.model)).stats  # processed vs trained tokens
+    stats = prepare(rec.data, load_tokenizer(rec.model)).stats  # processed vs trained tokens
     seq = rec.data.max_seq_len if rec.data.packing else max(1, round(stats["tokens"] / stats["rows"]))
     arch, _ = resolve(rec.model.name)
     name = torch.cuda.get_device_name(0)

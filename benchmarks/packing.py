@@ -69,7 +69,8 @@ def _step(model, optimizer, batches, tspec, token_loss_sum) -> tuple[float, int]
 
 
 def run() -> dict:
-    from finetune.data import pipeline as D
+    from finetune.data import batching as B
+    from finetune.data import encode as E
     from finetune.train.lora import apply_lora
     from finetune.train.model import load_model, load_tokenizer
     from finetune.train.optim import build_optimizer
@@ -78,14 +79,14 @@ def run() -> dict:
 
     mspec, tspec = ModelSpec(gradient_checkpointing=False), TrainSpec(optimizer="adamw_8bit")
     tok = load_tokenizer(mspec)
-    examples = [D.encode(r, "prompt_completion", tok, DataSpec()) for r in skewed_rows(N_EXAMPLES)]
-    whole = D.batch_stats(examples, BATCH, MAX_LEN)
+    examples = [E.encode(r, "prompt_completion", tok, DataSpec()) for r in skewed_rows(N_EXAMPLES)]
+    whole = B.batch_stats(examples, BATCH, MAX_LEN)
 
-    rows = D.pack(examples, MAX_LEN)[:TIMED_ROWS]
+    rows = B.pack(examples, MAX_LEN)[:TIMED_ROWS]
     same = documents(rows)
     random.Random(0).shuffle(same)  # the padded side sees these examples in a shuffled order, as training does
-    packed = [D.collate_packed(rows[i: i + BATCH], tok.pad_token_id) for i in range(0, len(rows), BATCH)]
-    padded = [D.collate(same[i: i + BATCH], tok.pad_token_id) for i in range(0, len(same), BATCH)]
+    packed = [B.collate_packed(rows[i: i + BATCH], tok.pad_token_id) for i in range(0, len(rows), BATCH)]
+    padded = [B.collate(same[i: i + BATCH], tok.pad_token_id) for i in range(0, len(same), BATCH)]
 
     model = apply_lora(load_model(mspec, QuantizationSpec(), notice=lambda *_: None), LoraSpec(), seed=0)
     model.train()
@@ -105,8 +106,8 @@ def run() -> dict:
         "padding_fraction_packed": whole["padding_fraction_packed"],
         "padding_fraction_unpacked": whole["padding_fraction_unpacked"],
         "packing_efficiency": whole["packing_efficiency"],
-        "timed_padding_fraction_packed": D.padding_fraction(rows, BATCH),
-        "timed_padding_fraction_unpacked": D.padding_fraction(same, BATCH),
+        "timed_padding_fraction_packed": B.padding_fraction(rows, BATCH),
+        "timed_padding_fraction_unpacked": B.padding_fraction(same, BATCH),
         "examples": len(examples), "packed_rows": whole["packed_rows"], "timed_examples": len(same),
         "max_len": MAX_LEN, "batch": BATCH, "repeats": REPEATS,
     }

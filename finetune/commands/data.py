@@ -32,7 +32,7 @@ def render(example: dict, tok, color: bool) -> str:
     """The example's text with trained spans marked. A token trains when its label is not -100 and it
     is not the first (the shifted loss never predicts token 0). Runs are decoded whole so multi-byte
     characters split across tokens still read correctly."""
-    from finetune.data.pipeline import IGNORE
+    from finetune.data.encode import IGNORE
 
     ids = example["input_ids"]
     trained = [i > 0 and lab != IGNORE for i, lab in enumerate(example["labels"])]
@@ -84,7 +84,9 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from finetune.commands.common import load_recipe
-    from finetune.data import pipeline as data_mod
+    from finetune.data.batching import batch_stats, packing_layout
+    from finetune.data.encode import IGNORE
+    from finetune.data.prepare import prepare
     from finetune.recipe import DataSource
 
     if args.show < 0:
@@ -96,20 +98,20 @@ def run(args) -> int:
     from finetune.train.model import resolve_attention
 
     notices = []
-    layout = data_mod.packing_layout(recipe.data.packing, resolve_attention(recipe.model.attn_implementation,
-                                                                            notices.append), notices.append)
+    attn = resolve_attention(recipe.model.attn_implementation, notices.append)
     tok = _tokenizer(recipe.model)
-    prepared = data_mod.prepare(recipe.data, tok)
+    prepared = prepare(recipe.data, tok)
     stats = dict(prepared.stats)
-    stats.update(data_mod.batch_stats(prepared.train, recipe.train.micro_batch_size, recipe.data.max_seq_len))
-    stats.update(packing=recipe.data.packing, packing_layout=layout, micro_batch_size=recipe.train.micro_batch_size)
+    stats.update(batch_stats(prepared.train, recipe.train.micro_batch_size, recipe.data.max_seq_len))
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     for note in notices:
         print(note)
+    layout = packing_layout(recipe.data.packing, attn)  # its notice prints here, after the data is ready
+    stats.update(packing=recipe.data.packing, packing_layout=layout, micro_batch_size=recipe.train.micro_batch_size)
     if args.show:
         print(f"trained tokens are shown {'in green' if color else OPEN + 'like this' + CLOSE}")
     for i, ex in enumerate(prepared.train[: args.show]):
-        n_trained = sum(t != data_mod.IGNORE for t in ex["labels"][1:])
+        n_trained = sum(t != IGNORE for t in ex["labels"][1:])
         print(f"--- example {i + 1} of {len(prepared.train)} ({ex.get('where', '?')}): "
               f"{len(ex['input_ids'])} tokens, {n_trained} trained")
         print(render(ex, tok, color))

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from finetune.data import pipeline as data_mod
+from finetune.data import batching
+from finetune.data.prepare import prepare
 from finetune.util.errors import RecipeError
 from finetune.recipe.rundir import read_recipe
 
@@ -69,7 +70,7 @@ def heldout_loss(model, examples, recipe) -> float:
 
     total = count = 0
     device_type = "cpu" if not torch.cuda.is_available() else "cuda"
-    batches = data_mod.batches(examples, recipe.train.micro_batch_size, 0, False, recipe.data.max_seq_len)
+    batches = batching.batches(examples, recipe.train.micro_batch_size, 0, False, recipe.data.max_seq_len)
     for i, b in enumerate(batches):
         if recipe.eval.max_batches and i >= recipe.eval.max_batches:
             break
@@ -81,7 +82,7 @@ def heldout_loss(model, examples, recipe) -> float:
 
 def run_eval(run_dir: Path) -> dict:
     recipe, tok, model = load_run(run_dir)
-    prepared = data_mod.prepare(recipe.data, tok)
+    prepared = prepare(recipe.data, tok)
     if not prepared.eval:
         raise RecipeError(["data: no held-out rows; set data.eval_sources or data.eval_split > 0"])
     n, mnt = recipe.eval.exact_match_samples, recipe.eval.max_new_tokens

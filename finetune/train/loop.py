@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from accelerate.utils import extract_model_from_parallel
 
 from finetune.train import checkpoint
-from finetune.data import pipeline as data_mod
+from finetune.data import batching
+from finetune.data.encode import IGNORE
+from finetune.data.prepare import prepare as prepare_data
 from finetune.plan.attention import CPU_MATH_ATTENTION_MAX_LEN, attention_kernels, cpu_math_kernel_possible
 from finetune.train.distributed import autocast, gather_full_adapter_state, make_accelerator, prepare
 from finetune.util.log import print0
@@ -42,7 +44,7 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[to
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != data_mod.IGNORE  # position t predicts token t + 1
+    keep[:, :-1] = labels[:, 1:] != IGNORE  # position t predicts token t + 1
     with trained_rows_only(model, keep), autocast(train_spec, device_type):
         logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
     targets = labels[:, 1:][keep[:, :-1]]
@@ -85,12 +87,12 @@ def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int
     random.Random(spec.data.shuffle_seed * 1000 + epoch).shuffle(order)
     mb = spec.train.micro_batch_size
     if layout:
-        order = data_mod.pack(order, spec.data.max_seq_len)
+        order = batching.pack(order, spec.data.max_seq_len)
     global_batches = [order[i: i + mb * world] for i in range(0, len(order) - mb * world + 1, mb * world)]
     if layout:
-        return [data_mod.collate_packed(g[rank * mb:(rank + 1) * mb], pad_id, flat=layout == "flat")
+        return [batching.collate_packed(g[rank * mb:(rank + 1) * mb], pad_id, flat=layout == "flat")
                 for g in global_batches]
-    return [data_mod.collate(g[rank * mb:(rank + 1) * mb], pad_id) for g in global_batches]
+    return [batching.collate(g[rank * mb:(rank + 1) * mb], pad_id) for g in global_batches]
 
 
 def global_sum(accelerator, value: float) -> float:
@@ -123,7 +125,7 @@ def setup(recipe: Recipe):
     torch.manual_seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model)
     with acc.local_main_process_first():  # builtin assets and data caches are built once per node
-        prepared = data_mod.prepare(recipe.data, tok)
+        prepared = prepare_data(recipe.data, tok)
     model = load_model(recipe.model, recipe.quantization, notice=print0)
     enable_checkpointing(model, recipe.model)
     model = apply_lora(model, recipe.lora, seed=recipe.train.seed)
@@ -133,7 +135,7 @@ def setup(recipe: Recipe):
 def plan_steps(recipe: Recipe, examples: list, world: int, layout: str | None) -> tuple[int, int]:
     """(micro-batches per epoch per rank, total optimizer steps)."""
     t = recipe.train
-    rows = len(data_mod.pack(examples, recipe.data.max_seq_len)) if layout else len(examples)
+    rows = len(batching.pack(examples, recipe.data.max_seq_len)) if layout else len(examples)
     per_epoch = rows // (t.micro_batch_size * world)
     if per_epoch < t.gradient_accumulation_steps:
         raise RecipeError([f"data: {rows} rows make {per_epoch} micro-batches of {t.micro_batch_size} x "
@@ -182,7 +184,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     acc, tok, model, prepared = setup(recipe)
     rank, world, dev = acc.process_index, acc.num_processes, acc.device
     attn = acc.unwrap_model(model).config._attn_implementation
-    layout = data_mod.packing_layout(recipe.data.packing, attn, print0)
+    layout = batching.packing_layout(recipe.data.packing, attn)
     if attn == "sdpa" and cpu_math_kernel_possible(dev.type, recipe.train.mixed_precision):
         print0(f"attention: batches of up to {CPU_MATH_ATTENTION_MAX_LEN} tokens use SDPA's math kernel (on CPU "
                "in bf16 its backward is about twice as fast as the flash kernel's)")
@@ -211,7 +213,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
                f"{prepared.stats['trained_tokens']} trained tokens; {total_steps} steps")
     # Every rank must run the same number of forwards (a sharded forward is collective): drop the remainder.
     held = prepared.eval[: len(prepared.eval) // world * world]
-    eval_batches = data_mod.batches(held[rank::world], t.micro_batch_size, tok.pad_token_id, False,
+    eval_batches = batching.batches(held[rank::world], t.micro_batch_size, tok.pad_token_id, False,
                                     recipe.data.max_seq_len)
     metrics = Metrics(run_dir, total_steps, step, recipe.output.progress_bar)
     model.train()
@@ -228,7 +230,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
                 batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id, layout)
             micro.append({k: v.to(dev) for k, v in batches[cursor].items()})
             cursor += 1
-        local_tokens = sum(int((b["labels"][:, 1:] != data_mod.IGNORE).sum()) for b in micro)
+        local_tokens = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro)
         step_tokens = global_sum(acc, local_tokens)
         loss_total = 0.0
         for b in micro:

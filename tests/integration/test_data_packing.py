@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune.data import pipeline as D
+from finetune.data import batching as B
+from finetune.data import encode as E
 from finetune.recipe import DataSpec, TrainSpec
 
 
@@ -23,7 +24,7 @@ def examples(tok):
     rows += [{"messages": [{"role": "user", "content": "first: red cat"}, {"role": "assistant", "content": "red"},
                            {"role": "user", "content": "last: sun moon star"}, {"role": "assistant", "content": "star"}]}]
     rows += [{"text": " ".join(["one two six ten"] * (2 + i))} for i in range(3)]
-    return [D.encode(r, "auto", tok, DataSpec()) for r in rows]
+    return [E.encode(r, "auto", tok, DataSpec()) for r in rows]
 
 
 def model_for(path, attn):
@@ -39,22 +40,22 @@ def token_ce(model, batch):
     with torch.no_grad():
         logits = model(**inputs, use_cache=False).logits
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), batch["labels"][:, 1:].reshape(-1),
-                         ignore_index=D.IGNORE, reduction="none")
+                         ignore_index=E.IGNORE, reduction="none")
     return ce.view(logits.size(0), -1)
 
 
 def unpacked_losses(model, examples):
-    batch = D.collate(examples, pad_id=0)
+    batch = B.collate(examples, pad_id=0)
     ce = token_ce(model, batch)
     out = []
     for i, e in enumerate(examples):
-        keep = batch["labels"][i, 1:len(e["input_ids"])] != D.IGNORE
+        keep = batch["labels"][i, 1:len(e["input_ids"])] != E.IGNORE
         out.append(float(ce[i, : len(e["input_ids"]) - 1][keep].mean()))
     return out
 
 
 def packed_losses(model, rows, flat):
-    batch = D.collate_packed(rows, pad_id=0, flat=flat)
+    batch = B.collate_packed(rows, pad_id=0, flat=flat)
     ce = token_ce(model, batch)
     labels = batch["labels"]
     got = {}
@@ -63,7 +64,7 @@ def packed_losses(model, rows, flat):
         n = len(rows[i]["input_ids"]) if not flat else len(pos)
         starts = [j for j in range(n) if pos[j] == 0] + [n]
         for a, b in zip(starts, starts[1:]):
-            keep = labels[i, a + 1:b] != D.IGNORE
+            keep = labels[i, a + 1:b] != E.IGNORE
             got[tuple(batch["input_ids"][i, a:b].tolist())] = float(ce[i, a:b - 1][keep].mean())
     return got
 
@@ -71,7 +72,7 @@ def packed_losses(model, rows, flat):
 @pytest.mark.parametrize("attn, flat", [("sdpa", False), ("eager", False), ("sdpa", True)])
 def test_packed_per_sequence_losses_equal_unpacked(tiny_model_dir, examples, attn, flat):
     model = model_for(tiny_model_dir, attn)
-    rows = D.pack(examples, max_len=64)
+    rows = B.pack(examples, max_len=64)
     assert len(rows) < len(examples)
     assert any(r["position_ids"].count(0) >= 3 for r in rows)  # rows really hold several documents
     packed = packed_losses(model, rows, flat)
@@ -85,8 +86,8 @@ def test_without_restarting_positions_documents_leak_into_each_other(tiny_model_
     """The control: the same packed rows with plain 0..n-1 positions (what a packer without position ids
     gives) change the losses, so the equality above is not vacuous."""
     model = model_for(tiny_model_dir, "sdpa")
-    rows = D.pack(examples, max_len=64)
-    good = D.collate_packed(rows, pad_id=0)
+    rows = B.pack(examples, max_len=64)
+    good = B.collate_packed(rows, pad_id=0)
     leaky = dict(good, position_ids=torch.arange(good["input_ids"].shape[1]).expand_as(good["input_ids"]))
     assert (token_ce(model, good) - token_ce(model, leaky)).abs().max() > 1e-2
 
@@ -108,7 +109,7 @@ def test_loop_loss_sum_matches_packed_vs_unpacked_on_the_4bit_model(tiny_model_d
     model.eval()
     spec = TrainSpec(mixed_precision="no")
     with torch.no_grad():
-        lp, np_ = token_loss_sum(model, D.collate_packed(D.pack(examples, 64), 0), "cpu", spec)
-        lu, nu = token_loss_sum(model, D.collate(examples, 0), "cpu", spec)
+        lp, np_ = token_loss_sum(model, B.collate_packed(B.pack(examples, 64), 0), "cpu", spec)
+        lu, nu = token_loss_sum(model, B.collate(examples, 0), "cpu", spec)
     assert np_ == nu
     assert float(lp) == pytest.approx(float(lu), rel=1e-4)

@@ -13,7 +13,9 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from finetune.data import pipeline as D
+from finetune.data import formats as F
+from finetune.data import prepare as P
+from finetune.data import readers as R
 from finetune.data import sources as S
 from finetune.util import builtin as tiny
 from finetune.recipe import DataSource, from_dict
@@ -22,14 +24,14 @@ from finetune.util.errors import RecipeError
 ROOT = Path(__file__).resolve().parents[2]
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                         HealthCheck.too_slow])
-GIANT = S.MAX_ROW_BYTES + 1024  # one line just past the reader's limit
+GIANT = R.MAX_ROW_BYTES + 1024  # one line just past the reader's limit
 pytestmark = pytest.mark.slow
 
 
 def read(path: Path, mode: str = "error"):
     """Rows of one source, or the RecipeError's problems."""
     try:
-        return S.read_source(DataSource(path=str(path)), S.BadRows(mode), "data.sources[0]")[1]
+        return S.read_source(DataSource(path=str(path)), F.BadRows(mode), "data.sources[0]")[1]
     except RecipeError as e:
         assert e.problems and all(isinstance(p, str) for p in e.problems)
         return e.problems
@@ -72,7 +74,7 @@ def test_hostile_files_are_validation_errors(tmp_path, tok, cache, name):
     for mode in ("error", "skip"):
         spec = from_dict({"data": {"sources": [{"path": str(p)}], "on_bad_row": mode}}).data
         with pytest.raises(RecipeError) as e:
-            D.prepare(spec, tok)
+            P.prepare(spec, tok)
         assert name in "\n".join(e.value.problems), e.value.problems
 
 
@@ -85,7 +87,7 @@ def test_a_single_enormous_line(tmp_path, tok, cache, suffix):
         f.write(b"a" * GIANT)
     spec = from_dict({"data": {"sources": [{"path": str(p)}]}}).data
     with pytest.raises(RecipeError) as e:
-        D.prepare(spec, tok)
+        P.prepare(spec, tok)
     text = "\n".join(e.value.problems)
     assert p.name in text and ("limit" in text or "invalid JSON" in text or "larger" in text), text
 
@@ -125,10 +127,10 @@ def test_random_json_rows(tmp_path_factory, rows, mode, fmt):
     p = tmp_path_factory.mktemp("j") / "rows.jsonl"
     p.write_text("".join(json.dumps(r) + "\n" for r in rows))
     try:
-        fmt_out, got = S.read_source(DataSource(path=str(p), format=fmt), S.BadRows(mode), "data.sources[0]")
+        fmt_out, got = S.read_source(DataSource(path=str(p), format=fmt), F.BadRows(mode), "data.sources[0]")
     except RecipeError:
         return
-    assert got and all(S.check_row(r, fmt_out) is None for r in got)
+    assert got and all(F.check_row(r, fmt_out) is None for r in got)
 
 
 @pytest.mark.parametrize("name", ["utf16.jsonl"])  # one: each CLI start costs seconds of imports

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from finetune.data import pipeline as D
+from finetune.data import batching as B
+from finetune.data import encode as E
 from finetune.recipe import DataSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
 
 
@@ -19,7 +20,7 @@ def setup(tiny_model_dir):
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [{"prompt": f"reverse: {' '.join(['red', 'cat', 'sun', 'dog', 'fox'][: 1 + i % 5])}\n",
              "completion": " ".join(["dog", "fox", "owl"][: 1 + i % 3])} for i in range(6)]
-    batch = D.collate([D.encode(r, "auto", tok, DataSpec()) for r in rows], tok.pad_token_id)
+    batch = B.collate([E.encode(r, "auto", tok, DataSpec()) for r in rows], tok.pad_token_id)
     model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False), QuantizationSpec(),
                        notice=lambda *_: None)
     model = apply_lora(model, LoraSpec(r=8, dropout=0.0), seed=0)
@@ -41,14 +42,14 @@ def test_head_on_trained_rows_gives_the_full_logits_loss_and_gradients(setup):
 
     model, batch = setup
     labels = batch["labels"]
-    trained = int((labels[:, 1:] != D.IGNORE).sum())
+    trained = int((labels[:, 1:] != E.IGNORE).sum())
     assert 0 < trained < labels[:, 1:].numel() / 2  # prompts and padding dominate: the case this is for
 
     spec = TrainSpec(mixed_precision="no")  # fp32 throughout: both computations must agree to rounding
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs, use_cache=False).logits
     ref = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
-                          ignore_index=D.IGNORE, reduction="sum")
+                          ignore_index=E.IGNORE, reduction="sum")
     ref.backward()
     ref_grads = lora_grads(model)
 

@@ -2,7 +2,7 @@
 completion / assistant spans, multi-turn included; train_on_inputs trains everything."""
 import pytest
 
-from finetune.data import pipeline as D
+from finetune.data import encode as E
 from finetune.recipe import DataSpec
 
 
@@ -19,7 +19,7 @@ def spans(tok, ex):
     """Decoded runs of trained tokens, in order."""
     out, cur = [], []
     for i, (t, lab) in enumerate(zip(ex["input_ids"], ex["labels"])):
-        if lab != D.IGNORE and i > 0:
+        if lab != E.IGNORE and i > 0:
             assert lab == t  # a trained label is the token itself (the loss shifts it)
             cur.append(t)
         elif cur:
@@ -34,27 +34,27 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
 
 
 def test_text_trains_every_token(tok):
-    ex = D.encode({"text": "red cat sun"}, "auto", tok, DataSpec())
+    ex = E.encode({"text": "red cat sun"}, "auto", tok, DataSpec())
     assert ex["labels"] == ex["input_ids"]
     assert tok.decode(ex["input_ids"]) == "red cat sun<|end|>"
 
 
 def test_prompt_completion_trains_the_completion_and_eos_only(tok):
-    ex = D.encode({"prompt": "reverse: red cat\n", "completion": "cat red"}, "prompt_completion", tok, DataSpec())
+    ex = E.encode({"prompt": "reverse: red cat\n", "completion": "cat red"}, "prompt_completion", tok, DataSpec())
     assert spans(tok, ex) == ["cat red<|end|>"]
     assert tok.decode(ex["input_ids"]) == "reverse: red cat\ncat red<|end|>"
 
 
 def test_instruction_trains_the_output_with_or_without_input(tok):
-    ex = D.encode({"instruction": "reverse", "input": "red cat", "output": "cat red"}, "auto", tok, DataSpec())
+    ex = E.encode({"instruction": "reverse", "input": "red cat", "output": "cat red"}, "auto", tok, DataSpec())
     assert tok.decode(ex["input_ids"]) == "reverse\nred cat\ncat red<|end|>"
     assert spans(tok, ex) == ["cat red<|end|>"]
-    ex = D.encode({"instruction": "say red", "output": "red"}, "instruction", tok, DataSpec())
+    ex = E.encode({"instruction": "say red", "output": "red"}, "instruction", tok, DataSpec())
     assert spans(tok, ex) == ["red<|end|>"]
 
 
 def test_messages_train_every_assistant_turn_and_nothing_else(tok):
-    ex = D.encode({"messages": CHAT}, "auto", tok, DataSpec())
+    ex = E.encode({"messages": CHAT}, "auto", tok, DataSpec())
     assert tok.decode(ex["input_ids"]).startswith("<|system|>\nbe brief\n<|user|>\nfirst: red cat\n<|assistant|>\n")
     assert spans(tok, ex) == ["red<|end|>\n", "cat dog<|end|>\n"]
 
@@ -63,26 +63,26 @@ def test_sharegpt_conversations_map_roles_like_messages(tok):
     conv = [{"from": "system", "value": "be brief"}, {"from": "human", "value": "first: red cat"},
             {"from": "gpt", "value": "red"}, {"from": "human", "value": "last: red cat"},
             {"from": "gpt", "value": "cat dog"}]
-    a = D.encode({"conversations": conv}, "auto", tok, DataSpec())
-    b = D.encode({"messages": CHAT}, "auto", tok, DataSpec())
+    a = E.encode({"conversations": conv}, "auto", tok, DataSpec())
+    b = E.encode({"messages": CHAT}, "auto", tok, DataSpec())
     assert a == b
 
 
 def test_conversational_prompt_completion_trains_the_completion_messages(tok):
     row = {"prompt": CHAT[:4], "completion": CHAT[4:]}
-    ex = D.encode(row, "auto", tok, DataSpec())
+    ex = E.encode(row, "auto", tok, DataSpec())
     assert spans(tok, ex) == ["cat dog<|end|>\n"]  # the earlier assistant turn is context here
 
 
 def test_train_on_inputs_trains_the_whole_chat(tok):
-    ex = D.encode({"messages": CHAT}, "auto", tok, DataSpec(train_on_inputs=True))
+    ex = E.encode({"messages": CHAT}, "auto", tok, DataSpec(train_on_inputs=True))
     assert ex["labels"] == ex["input_ids"]
-    ex = D.encode({"prompt": "sort: b a\n", "completion": "a b"}, "auto", tok, DataSpec(train_on_inputs=True))
+    ex = E.encode({"prompt": "sort: b a\n", "completion": "a b"}, "auto", tok, DataSpec(train_on_inputs=True))
     assert ex["labels"] == ex["input_ids"]
 
 
 def test_recipe_chatml_template_overrides_the_tokenizer_one(tok):
-    ex = D.encode({"messages": CHAT[1:3]}, "auto", tok, DataSpec(chat_template="chatml"))
+    ex = E.encode({"messages": CHAT[1:3]}, "auto", tok, DataSpec(chat_template="chatml"))
     assert tok.decode(ex["input_ids"]) == ("<|im_start|>user\nfirst: red cat<|im_end|>\n"
                                            "<|im_start|>assistant\nred<|im_end|>\n")
     assert spans(tok, ex) == ["red<|im_end|>\n"]
@@ -93,7 +93,7 @@ def test_generation_markers_decide_the_trained_tokens(tok):
     tpl = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' }}{% if m['role'] == 'assistant' %}"
            "{% generation %}{{ m['content'] + '<|end|>' }}{% endgeneration %}{% else %}{{ m['content'] }}"
            "{% endif %}{{ '\\n' }}{% endfor %}")
-    ex = D.encode({"messages": CHAT}, "auto", tok, DataSpec(chat_template=tpl))
+    ex = E.encode({"messages": CHAT}, "auto", tok, DataSpec(chat_template=tpl))
     assert spans(tok, ex) == ["red<|end|>", "cat dog<|end|>"]
 
 
@@ -101,7 +101,7 @@ def test_template_that_rewrites_earlier_turns_is_a_row_error(tok):
     # Renders the last message first: a prefix of the chat is not a prefix of the whole.
     tpl = "{% for m in messages|reverse %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
     with pytest.raises(ValueError, match="prefix"):
-        D.encode({"messages": CHAT}, "auto", tok, DataSpec(chat_template=tpl))
+        E.encode({"messages": CHAT}, "auto", tok, DataSpec(chat_template=tpl))
 
 
 def test_chat_without_any_template_says_so(tok):
@@ -109,10 +109,10 @@ def test_chat_without_any_template_says_so(tok):
         chat_template = None
 
     with pytest.raises(ValueError, match="chat template"):
-        D._chat(NoTemplate(), CHAT, None, False)
+        E._chat(NoTemplate(), CHAT, None, False)
 
 
 def test_a_chat_opening_with_the_assistant_trains_its_reply_not_the_header(tok):
-    ex = D.encode({"messages": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
+    ex = E.encode({"messages": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
                                 {"role": "assistant", "content": "red"}]}, "auto", tok, DataSpec())
     assert spans(tok, ex) == ["hello<|end|>\n", "red<|end|>\n"]

@@ -5,7 +5,9 @@ import random
 
 import pytest
 
-from finetune.data import pipeline as D
+from finetune.data import batching as B
+from finetune.data import encode as E
+from finetune.data import prepare as P
 from finetune.recipe import DataSource, DataSpec
 from finetune.util.errors import RecipeError
 
@@ -37,7 +39,7 @@ def pc(n, tag):
 def test_weights_scale_each_source_and_the_split_happens_before(tmp_path, tok):
     a, b = jsonl(tmp_path / "a.jsonl", pc(40, "a")), jsonl(tmp_path / "b.jsonl", pc(40, "b"))
     spec = DataSpec(sources=[DataSource(path=a, weight=2.0), DataSource(path=b, weight=0.5)], eval_split=0.1)
-    p = D.prepare(spec, tok)
+    p = P.prepare(spec, tok)
     assert [s["rows_train"] for s in p.stats["sources"]] == [72, 18]  # 36 x 2, 36 x 0.5
     assert p.stats["rows"] == 90 and p.stats["eval_rows"] == 8
     held = {r["prompt"] for r in p.eval_rows}
@@ -48,13 +50,13 @@ def test_weights_scale_each_source_and_the_split_happens_before(tmp_path, tok):
 def test_same_seed_same_data_and_a_second_run_reads_the_cache(tmp_path, tok, cache):
     spec = DataSpec(sources=[DataSource(path=jsonl(tmp_path / "a.jsonl", pc(30, "a")))], shuffle_seed=3,
                     max_samples=20)
-    first = D.prepare(spec, tok)
+    first = P.prepare(spec, tok)
     files = sorted(cache.glob("data/train-*.arrow"))
     assert len(files) == 1
-    second = D.prepare(spec, tok)
+    second = P.prepare(spec, tok)
     assert second.train == first.train and len(first.train) == 20
     assert sorted(cache.glob("data/train-*.arrow")) == files  # reused, not rewritten under a new key
-    other = D.prepare(spec.model_copy(update={"shuffle_seed": 4}), tok)
+    other = P.prepare(spec.model_copy(update={"shuffle_seed": 4}), tok)
     assert other.train != first.train
 
 
@@ -62,9 +64,9 @@ def test_overlong_rows_are_truncated_or_dropped_and_counted(tmp_path, tok):
     rows = pc(5, "a") + [{"prompt": "long\n", "completion": " ".join(["red cat"] * 40)}]
     path = jsonl(tmp_path / "a.jsonl", rows)
     kw = dict(sources=[DataSource(path=path)], eval_split=0, max_seq_len=16)
-    p = D.prepare(DataSpec(overlong="truncate", **kw), tok)
+    p = P.prepare(DataSpec(overlong="truncate", **kw), tok)
     assert p.stats["truncated"] == 1 and p.stats["rows"] == 6 and p.stats["max_length"] == 16
-    p = D.prepare(DataSpec(overlong="drop", **kw), tok)
+    p = P.prepare(DataSpec(overlong="drop", **kw), tok)
     assert p.stats["dropped_overlong"] == 1 and p.stats["rows"] == 5
 
 
@@ -74,16 +76,16 @@ def test_rows_that_fail_to_encode_are_bad_rows(tmp_path, tok):
     spec = DataSpec(sources=[DataSource(path=jsonl(tmp_path / "c.jsonl", chats))], eval_split=0,
                     chat_template=reverse)
     with pytest.raises(RecipeError, match=r"c\.jsonl:1: the chat template does not render"):
-        D.prepare(spec, tok)
+        P.prepare(spec, tok)
     with pytest.raises(RecipeError, match="no training examples left .*3 bad rows"):
-        D.prepare(spec.model_copy(update={"on_bad_row": "skip"}), tok)
+        P.prepare(spec.model_copy(update={"on_bad_row": "skip"}), tok)
 
 
 def test_stats_count_trained_tokens_as_the_loss_does(tmp_path, tok):
     spec = DataSpec(sources=[DataSource(path=jsonl(tmp_path / "a.jsonl", pc(4, "a")))], eval_split=0)
-    p = D.prepare(spec, tok)
+    p = P.prepare(spec, tok)
     assert p.stats["tokens"] == sum(len(e["input_ids"]) for e in p.train)
-    assert p.stats["trained_tokens"] == sum(D.collate(p.train, 0)["labels"][:, 1:].ne(D.IGNORE).sum().tolist()
+    assert p.stats["trained_tokens"] == sum(B.collate(p.train, 0)["labels"][:, 1:].ne(E.IGNORE).sum().tolist()
                                             for _ in [0])
     assert p.stats["rows_skipped"] == 0 and 0 < p.stats["packing_efficiency"] <= 1
 
@@ -95,27 +97,27 @@ def skewed(n=600, seed=0):
     for i in range(n):
         k = rng.choice([rng.randint(8, 40)] * 9 + [rng.randint(150, 500)])
         ids = [rng.randint(3, 300) for _ in range(k)]
-        out.append({"input_ids": ids, "labels": [D.IGNORE] * (k // 2) + ids[k // 2:]})
+        out.append({"input_ids": ids, "labels": [E.IGNORE] * (k // 2) + ids[k // 2:]})
     return out
 
 
 def test_packing_keeps_every_token_and_labels_never_cross_documents():
     ex = skewed(300)
-    rows = D.pack(ex, 512)
+    rows = B.pack(ex, 512)
     assert all(len(r["input_ids"]) <= 512 for r in rows)
     docs = []
     for r in rows:
         starts = [i for i, p in enumerate(r["position_ids"]) if p == 0] + [len(r["input_ids"])]
         assert r["position_ids"] == [p for a, b in zip(starts, starts[1:]) for p in range(b - a)]
         for a, b in zip(starts, starts[1:]):
-            assert r["labels"][a] == D.IGNORE  # a document's first token is never predicted from the last one
+            assert r["labels"][a] == E.IGNORE  # a document's first token is never predicted from the last one
             docs.append((tuple(r["input_ids"][a:b]), tuple(r["labels"][a + 1:b])))
     assert sorted(docs) == sorted((tuple(e["input_ids"]), tuple(e["labels"][1:])) for e in ex)
 
 
 def test_packing_efficiency_on_length_skewed_data():
     ex = skewed(600)
-    stats = D.batch_stats(ex, batch_size=8, max_len=512)
+    stats = B.batch_stats(ex, batch_size=8, max_len=512)
     assert stats["packing_efficiency"] >= 0.95
     assert stats["padding_fraction_packed"] < 0.05 < 0.5 < stats["padding_fraction_unpacked"]
 
@@ -124,22 +126,22 @@ def test_packed_rows_follow_the_callers_order_not_the_length_order():
     ex = skewed(200)
     for i, e in enumerate(ex):  # tag each document by its first token
         e["input_ids"][0] = 1000 + i
-    rows = D.pack(ex, 512)
+    rows = B.pack(ex, 512)
     earliest = [min(t - 1000 for t, p in zip(r["input_ids"], r["position_ids"]) if p == 0) for r in rows]
     assert earliest == sorted(earliest) and earliest[0] == 0
 
 
 def test_flat_layout_is_one_row_without_padding():
-    rows = D.pack(skewed(40), 256)
-    flat = D.collate_packed(rows[:4], pad_id=0, flat=True)
+    rows = B.pack(skewed(40), 256)
+    flat = B.collate_packed(rows[:4], pad_id=0, flat=True)
     assert flat["input_ids"].shape == (1, sum(len(r["input_ids"]) for r in rows[:4]))
     assert "attention_mask" not in flat
 
 
-def test_backends_without_packing_support_fall_back_to_padding():
-    notes = []
-    assert D.packing_layout(True, "sdpa", notes.append) == "rows"
-    assert D.packing_layout(True, "flash_attention_2", notes.append) == "flat"
-    assert D.packing_layout(True, "flex_attention", notes.append) is None
-    assert D.packing_layout(False, "sdpa", notes.append) is None
+def test_backends_without_packing_support_fall_back_to_padding(capsys):
+    assert B.packing_layout(True, "sdpa") == "rows"
+    assert B.packing_layout(True, "flash_attention_2") == "flat"
+    assert B.packing_layout(True, "flex_attention") is None
+    assert B.packing_layout(False, "sdpa") is None
+    notes = capsys.readouterr().out.splitlines()
     assert len(notes) == 1 and "dynamic padding" in notes[0]

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from finetune.data import formats as F
+from finetune.data import readers as R
 from finetune.data import sources as S
 from finetune.recipe import DataSource
 from finetune.util.errors import RecipeError
@@ -18,7 +20,7 @@ PC = [{"prompt": f"p{i}\n", "completion": f"c{i}"} for i in range(6)]
 
 
 def read(path, mode="error", **kw):
-    bad = S.BadRows(mode)
+    bad = F.BadRows(mode)
     fmt, rows = S.read_source(DataSource(path=str(path), **kw), bad, "data.sources[0]")
     return fmt, rows, bad
 
@@ -139,7 +141,7 @@ def test_non_utf8_line_is_a_bad_row_and_a_bom_is_fine(tmp_path):
 
 
 def test_enormous_line_is_refused_without_reading_it_into_memory(tmp_path, monkeypatch):
-    monkeypatch.setattr(S, "MAX_ROW_BYTES", 1000)
+    monkeypatch.setattr(R, "MAX_ROW_BYTES", 1000)
     f = tmp_path / "a.jsonl"
     f.write_text(json.dumps(PC[0]) + "\n" + '{"text": "' + "x" * 5000 + '"}\n' + json.dumps(PC[1]) + "\n")
     _, rows, bad = read(f, "skip")

@@ -1,0 +1,149 @@
+"""Batching: examples -> collated tensors, dynamically padded, or packed without padding (several
+examples per row, kept apart by position_ids that restart at 0), and the stats that compare the two.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from finetune.data.encode import IGNORE
+from finetune.util.log import log
+
+
+# How each attention backend keeps packed documents apart (transformers 5.23, no attention_mask, no cache):
+# sdpa/eager build a block-diagonal causal mask from position_ids that restart at 0, per batch row; flash
+# attention 2 derives varlen cu_seqlens from position_ids, but only for ONE flattened row (batch size 1):
+# with more rows it would silently attend across documents. Backends not listed get dynamic padding.
+PACKED_LAYOUT = {"sdpa": "rows", "eager": "rows", "flash_attention_2": "flat"}
+
+
+def packing_layout(packing: bool, attn_implementation: str) -> str | None:
+    """"rows" (B x max_len), "flat" (1 x total, padding-free) or None (dynamic padding) for this backend."""
+    if not packing:
+        return None
+    layout = PACKED_LAYOUT.get(attn_implementation)
+    if layout is None:
+        log.info(f"data: packing is not supported with attention '{attn_implementation}' (documents would see "
+                 "each other); using dynamic padding instead")
+    return layout
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Hide datasets' progress bars for internal, fast passes (packing runs every epoch)."""
+    import datasets
+
+    was = datasets.is_progress_bar_enabled()
+    if was:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was:
+            datasets.enable_progress_bars()
+
+
+def _right_pad(items: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """input_ids (padded with pad_id) and labels (padded with IGNORE, so padding never trains) of `items`
+    as (len(items) x longest) tensors."""
+    n = max(len(x["input_ids"]) for x in items)
+    ids = torch.full((len(items), n), pad_id, dtype=torch.long)
+    labels = torch.full((len(items), n), IGNORE, dtype=torch.long)
+    for i, x in enumerate(items):
+        k = len(x["input_ids"])
+        ids[i, :k] = torch.tensor(x["input_ids"])
+        labels[i, :k] = torch.tensor(x["labels"])
+    return ids, labels
+
+
+def collate(examples: list[dict], pad_id: int) -> dict:
+    """Dynamic padding to the longest example in the batch (right padding, masked out of the loss)."""
+    ids, labels = _right_pad(examples, pad_id)
+    mask = torch.zeros_like(ids)
+    for i, e in enumerate(examples):
+        mask[i, :len(e["input_ids"])] = 1
+    return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def pack(examples: list[dict], max_len: int) -> list[dict]:
+    """Best-fit-decreasing packing (trl.pack_dataset) into rows of at most max_len tokens. Each row keeps
+    `position_ids` that restart at 0 per example: with no attention_mask and no KV cache, transformers
+    turns them into a block-diagonal causal mask, so examples never attend to each other. Rows come out
+    in the order of their earliest example, so the caller's shuffle still decides the order."""
+    from datasets import Dataset
+    from trl import pack_dataset
+
+    examples = [e for e in examples if e["input_ids"]]
+    if not examples:
+        return []
+    ds = Dataset.from_dict({"input_ids": [e["input_ids"][:max_len] for e in examples],
+                            "labels": [e["labels"][:max_len] for e in examples],
+                            "doc": [[i] * min(len(e["input_ids"]), max_len) for i, e in enumerate(examples)]})
+    with _quiet():
+        cols = pack_dataset(ds, max_len, strategy="bfd", map_kwargs={"batch_size": len(ds)}).to_dict()
+    rows = []
+    for ids, labels, docs, lengths in zip(cols["input_ids"], cols["labels"], cols["doc"], cols["seq_lengths"]):
+        pos, lab, o = [], [], 0
+        for n in lengths:
+            pos += range(n)
+            # The first token of each example has no prediction from its own document: never train on it
+            # (the shifted loss would otherwise predict it from the previous example's last token).
+            lab += [IGNORE] + labels[o + 1: o + n]
+            o += n
+        rows.append({"input_ids": ids, "labels": lab, "position_ids": pos, "first": min(docs)})
+    rows.sort(key=lambda r: r.pop("first"))
+    return rows
+
+
+def collate_packed(rows: list[dict], pad_id: int, flat: bool = False) -> dict:
+    """Packed rows -> input_ids, labels, position_ids and NO attention_mask. flat=True concatenates the
+    rows into one (1 x total) row with no padding at all, the layout flash_attention_2 needs."""
+    if flat:
+        rows = [{k: [x for r in rows for x in r[k]] for k in ("input_ids", "labels", "position_ids")}]
+    ids, labels = _right_pad(rows, pad_id)
+    n, pos = ids.shape[1], torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        k = len(r["input_ids"])
+        pos[i, :k] = torch.tensor(r["position_ids"])
+        pos[i, k:] = torch.arange(n - k)  # padding forms its own block; it trains nothing
+    return {"input_ids": ids, "labels": labels, "position_ids": pos}
+
+
+def batches(examples: list[dict], batch_size: int, pad_id: int, packing: bool, max_len: int,
+            layout: str = "rows") -> list[dict]:
+    """The epoch's examples, in order, as collated batches (the order was fixed by the shuffle seed)."""
+    if packing:
+        rows = pack(examples, max_len)
+        return [collate_packed(rows[i: i + batch_size], pad_id, flat=layout == "flat")
+                for i in range(0, len(rows), batch_size)]
+    return [collate(examples[i: i + batch_size], pad_id) for i in range(0, len(examples), batch_size)]
+
+
+def packing_efficiency(examples: list[dict], max_len: int) -> float:
+    """Real tokens / (packed rows x max_len): the share of a packed row's slots that hold data."""
+    return _efficiency(pack(examples, max_len), max_len)
+
+
+def _efficiency(rows: list[dict], max_len: int) -> float:
+    return round(sum(len(r["input_ids"]) for r in rows) / max(len(rows) * max_len, 1), 4)
+
+
+def padding_fraction(items: list[dict], batch_size: int) -> float:
+    """Share of the positions in right-padded batches of `items` (examples, or packed rows) that are
+    padding: what a batch computes for nothing."""
+    total = real = 0
+    for i in range(0, len(items), batch_size):
+        lengths = [len(x["input_ids"]) for x in items[i: i + batch_size]]
+        total, real = total + len(lengths) * max(lengths), real + sum(lengths)
+    return round(1 - real / max(total, 1), 4)
+
+
+def batch_stats(examples: list[dict], batch_size: int, max_len: int) -> dict:
+    """Packed vs padded, for the same examples and batch size (dynamic padding pads each batch to its
+    longest example; packing pads each batch of rows to its longest row)."""
+    rows = pack(examples, max_len)
+    return {"packed_rows": len(rows),
+            "packing_efficiency": _efficiency(rows, max_len),
+            "padding_fraction_packed": padding_fraction(rows, batch_size),
+            "padding_fraction_unpacked": padding_fraction(examples, batch_size)}

@@ -1,0 +1,96 @@
+"""Row formats: telling a row's format from its fields, checking a row against a format, and collecting
+the rows that fail.
+
+A bad row (broken JSON, bad bytes, missing field, wrong type, empty text, a line over the readers'
+MAX_ROW_BYTES) goes to `BadRows`: with `on_bad_row: error` the run stops with every bad row found
+(exit 2, no traceback), with `skip` it is counted and the first few are reported.
+"""
+from __future__ import annotations
+
+from finetune.util.errors import RecipeError
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "model": "assistant", "system": "system", "tool": "tool"}
+CHAT_ROLES = {"system", "user", "assistant", "tool"}
+
+
+class BadRows:
+    """Collects bad rows; `check()` raises them all (error mode) once a stage is done."""
+
+    SHOW = 5
+
+    def __init__(self, mode: str):
+        self.mode, self.items = mode, []
+
+    def add(self, where: str, why: str):
+        self.items.append(f"{where}: {why}")
+
+    def check(self):
+        if self.mode == "error" and self.items:
+            more = len(self.items) - self.SHOW
+            tail = [f"... and {more} more bad rows"] if more > 0 else []
+            raise RecipeError(self.items[: self.SHOW] + tail
+                              + ["(set data.on_bad_row: skip to skip bad rows and report them)"])
+
+    def __len__(self):
+        return len(self.items)
+
+
+def detect_format(row: dict) -> str | None:
+    if "messages" in row:
+        return "messages"
+    if "conversations" in row:
+        return "sharegpt"
+    if "prompt" in row and "completion" in row:
+        return "prompt_completion"
+    if "instruction" in row and "output" in row:
+        return "instruction"
+    if "text" in row:
+        return "text"
+    return None
+
+
+def _text(row: dict, key: str, required=True, allow_empty=False) -> str | None:
+    if key not in row or row[key] is None:
+        return f"missing field '{key}'" if required else None
+    v = row[key]
+    if not isinstance(v, str):
+        return f"field '{key}' must be a string, got {type(v).__name__}"
+    if not allow_empty and not v.strip():
+        return f"field '{key}' is empty"
+    return None
+
+
+def _chat(msgs, key: str, role_key="role", content_key="content", roles=CHAT_ROLES) -> str | None:
+    if not isinstance(msgs, list):
+        return f"field '{key}' must be a list of messages, got {type(msgs).__name__}"
+    if not msgs:
+        return f"field '{key}' is empty"
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            return f"{key}[{i}] must be an object, got {type(m).__name__}"
+        if m.get(role_key) not in roles:
+            return f"{key}[{i}].{role_key} must be one of {sorted(roles)}, got {m.get(role_key)!r}"
+        if not isinstance(m.get(content_key), str):
+            return f"{key}[{i}].{content_key} must be a string, got {type(m.get(content_key)).__name__}"
+    return None
+
+
+def check_row(row: dict, fmt: str) -> str | None:
+    """Why `row` cannot be used as `fmt`, or None when it can."""
+    if fmt == "text":
+        return _text(row, "text")
+    if fmt == "prompt_completion":
+        if isinstance(row.get("prompt"), list):  # conversational prompt/completion (TRL's layout)
+            return _chat(row["prompt"], "prompt") or _chat(row.get("completion"), "completion")
+        return _text(row, "prompt", allow_empty=True) or _text(row, "completion")
+    if fmt == "instruction":
+        return _text(row, "instruction") or _text(row, "input", required=False, allow_empty=True) \
+            or _text(row, "output")
+    if fmt == "messages":
+        return _chat(row.get("messages"), "messages") if "messages" in row else "missing field 'messages'"
+    if fmt == "sharegpt":
+        if "conversations" not in row:
+            return "missing field 'conversations'"
+        return _chat(row["conversations"], "conversations", "from", "value", set(SHAREGPT_ROLES))
+    return f"unknown format {fmt}"

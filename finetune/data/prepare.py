@@ -1,0 +1,168 @@
+"""Preparing a recipe's data: every source read, split into train and held-out rows, mixed by weight,
+encoded (cached), filtered by the length policy, with stats.
+
+Tokenizing is cached (datasets arrow files keyed by a fingerprint of rows, tokenizer and options), so a
+second run or the other ranks of a node skip it.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+
+from finetune.data.batching import packing_efficiency
+from finetune.data.encode import ENCODER_VERSION, IGNORE, chat_template, encode
+from finetune.data.formats import BadRows
+from finetune.data.sources import read_source
+from finetune.recipe import DataSpec
+from finetune.util.errors import RecipeError
+
+
+@dataclass
+class Prepared:
+    train: list[dict]
+    eval: list[dict]
+    eval_rows: list[dict]  # raw held-out rows, aligned with `eval`, for exact match
+    stats: dict = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------------- cached tokenizing
+
+
+def _tokenizer_fingerprint(tok) -> list:
+    backend = getattr(tok, "backend_tokenizer", None)
+    return [type(tok).__name__, backend.to_str() if backend is not None else sorted(tok.get_vocab().items()),
+            tok.chat_template, tok.bos_token_id, tok.eos_token_id, tok.special_tokens_map]
+
+
+def _encode_batch(batch: dict, tok, spec: DataSpec) -> dict:
+    import jinja2
+
+    out = {"input_ids": [], "labels": [], "where": [], "error": []}
+    for text, fmt in zip(batch["row"], batch["fmt"]):
+        row = json.loads(text)
+        try:
+            ex, err = encode(row, fmt, tok, spec), ""
+        except (ValueError, TypeError, KeyError, IndexError, jinja2.TemplateError) as e:
+            ex, err = {"input_ids": [], "labels": []}, str(e).splitlines()[0][:300] or type(e).__name__
+        out["input_ids"].append(ex["input_ids"])
+        out["labels"].append(ex["labels"])
+        out["where"].append(row.get("_where", "row"))
+        out["error"].append(err)
+    return out
+
+
+def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str) -> list[dict]:
+    """Tokenize (format, row) pairs through `datasets.Dataset.map`, cached under the finetune cache by a
+    fingerprint of the rows, the tokenizer and the options that change the result. Failed rows come back
+    with an `error` and empty ids."""
+    import datasets
+    from datasets.fingerprint import Hasher
+
+    from finetune.util.builtin import cache_root
+
+    texts = [json.dumps(r, ensure_ascii=False, sort_keys=True, default=str) for _, r in pairs]
+    fmts = [f for f, _ in pairs]
+    key = Hasher.hash([ENCODER_VERSION, texts, fmts, _tokenizer_fingerprint(tok), spec.train_on_inputs,
+                       chat_template(spec, tok)])
+    cache = cache_root() / "data" / f"{what}-{key}.arrow"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    ds = datasets.Dataset.from_dict({"row": texts, "fmt": fmts})
+    out = ds.map(_encode_batch, batched=True, batch_size=256, fn_kwargs={"tok": tok, "spec": spec},
+                 remove_columns=["row", "fmt"], cache_file_name=str(cache), new_fingerprint=key,
+                 desc=f"tokenizing {what} rows")
+    cols = out.to_dict()
+    return [{"input_ids": i, "labels": lab, "where": w, "error": e}
+            for i, lab, w, e in zip(cols["input_ids"], cols["labels"], cols["where"], cols["error"])]
+
+
+def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict) -> list[int]:
+    """Indices of examples that train, after bad rows and the length policy (counted in `counts`)."""
+    kept = []
+    for i, ex in enumerate(examples):
+        err = ex.pop("error")
+        if err:
+            bad.add(ex["where"], err)
+            continue
+        if len(ex["input_ids"]) > spec.max_seq_len:
+            if spec.overlong == "drop":
+                counts["dropped_overlong"] += 1
+                continue
+            counts["truncated"] += 1
+            ex["input_ids"], ex["labels"] = ex["input_ids"][: spec.max_seq_len], ex["labels"][: spec.max_seq_len]
+        if all(t == IGNORE for t in ex["labels"][1:]):
+            counts["no_trained_tokens"] += 1
+            continue
+        kept.append(i)
+    return kept
+
+
+# ----------------------------------------------------------------------------------- preparing
+
+
+def _weighted(rows: list, weight: float, rng: random.Random) -> list:
+    """weight x rows: whole copies, plus a seeded sample for the fraction."""
+    whole, frac = int(weight), weight - int(weight)
+    return rows * whole + rng.sample(rows, round(frac * len(rows)))
+
+
+def _read_all(spec: DataSpec, bad: BadRows, rng: random.Random):
+    """(train pairs, eval pairs, per-source stats). Each source is split before weighting, so a repeated
+    row can never sit on both sides of the split."""
+    train, held, per_source = [], [], []
+    for i, src in enumerate(spec.sources):
+        fmt, rows = read_source(src, bad, f"data.sources[{i}]")
+        rng.shuffle(rows)
+        n_eval = 0
+        if not spec.eval_sources and spec.eval_split > 0 and len(rows) > 1:
+            n_eval = min(len(rows) - 1, max(1, round(len(rows) * spec.eval_split)))
+            held += [(fmt, r) for r in rows[:n_eval]]
+        mixed = _weighted(rows[n_eval:], src.weight, rng)
+        train += [(fmt, r) for r in mixed]
+        per_source.append({"path": src.path, "format": fmt, "rows_read": len(rows), "rows_eval": n_eval,
+                           "rows_train": len(mixed), "weight": src.weight})
+    for i, src in enumerate(spec.eval_sources):
+        fmt, rows = read_source(src, bad, f"data.eval_sources[{i}]")
+        held += [(fmt, r) for r in rows]
+    if len(spec.sources) > 1:  # interleave the sources (one source is already in shuffled order)
+        rng.shuffle(train)
+    return train[: spec.max_samples] if spec.max_samples else train, held, per_source
+
+
+def _check_templates(pairs, spec: DataSpec, tok):
+    chat = any(f in ("messages", "sharegpt") or (f == "prompt_completion" and isinstance(r.get("prompt"), list))
+               for f, r in pairs)
+    if chat and not chat_template(spec, tok):
+        raise RecipeError(["data.chat_template: the data has chat rows but the tokenizer has no chat template; "
+                           "set data.chat_template to a Jinja template or `chatml`"])
+
+
+def prepare(spec: DataSpec, tok) -> Prepared:
+    """All sources -> mixed, shuffled, split, encoded (cached) train and eval examples, plus stats."""
+    bad = BadRows(spec.on_bad_row)
+    train_pairs, eval_pairs, per_source = _read_all(spec, bad, random.Random(spec.shuffle_seed))
+    _check_templates(train_pairs + eval_pairs, spec, tok)
+    counts = {"truncated": 0, "dropped_overlong": 0, "no_trained_tokens": 0}
+    train = encode_cached(train_pairs, tok, spec, "train")
+    train = [train[i] for i in _keep(train, spec, bad, counts)]
+    evals = encode_cached(eval_pairs, tok, spec, "eval") if eval_pairs else []
+    kept = _keep(evals, spec, bad, dict(counts))
+    evals, eval_rows = [evals[i] for i in kept], [eval_pairs[i][1] for i in kept]
+    bad.check()
+    if not train:
+        raise RecipeError(["data: no training examples left after reading and filtering"
+                           + (f" ({len(bad)} bad rows, first: {bad.items[0]})" if bad else "")
+                           + (f" ({counts['dropped_overlong']} longer than data.max_seq_len "
+                              f"{spec.max_seq_len}, dropped)" if counts["dropped_overlong"] else "")])
+    stats = {"rows": len(train), "eval_rows": len(evals), "rows_skipped": len(bad), "bad_rows": bad.items[:5],
+             **counts, **token_stats(train), "sources": per_source,
+             "packing_efficiency": packing_efficiency(train, spec.max_seq_len)}
+    return Prepared(train, evals, eval_rows, stats)
+
+
+def token_stats(examples: list[dict]) -> dict:
+    """tokens, trained tokens (labels[1:] != -100, what the shifted loss counts) and lengths."""
+    lengths = [len(e["input_ids"]) for e in examples]
+    return {"tokens": sum(lengths), "trained_tokens": sum(sum(t != IGNORE for t in e["labels"][1:]) for e in examples),
+            "max_length": max(lengths, default=0), "mean_length": round(sum(lengths) / max(len(lengths), 1), 2)}
+
