@@ -90,7 +90,7 @@ def _is_hub_id(path: str) -> bool:
 
 def iter_rows(src: DataSource, bad: BadRows) -> Iterator[dict]:
     if src.path.startswith("builtin:"):
-        f = builtin_dir(src.path, "data") / f"{src.split}.jsonl"
+        f = builtin_dir(src.path, "data", kind="dataset") / f"{src.split}.jsonl"
         if not f.exists():
             raise RecipeError([f"data: builtin dataset {src.path} has no split '{src.split}'"])
         yield from read_jsonl(f, bad)

@@ -72,7 +72,7 @@ def check_prompts(src, n: int = 4) -> list[str]:
     if src.recipe is not None:
         for s in list(src.recipe.data.eval_sources) + list(src.recipe.data.sources):
             if s.path in BUILTIN_DATASETS:
-                paths.append(builtin_dir(s.path) / "eval.jsonl")  # held out by construction
+                paths.append(builtin_dir(s.path, kind="dataset") / "eval.jsonl")  # held out by construction
         paths += [Path(s.path) for s in src.recipe.data.eval_sources if s.path.endswith(".jsonl")]
     for p in paths:
         if p.is_file():

@@ -206,11 +206,12 @@ BUILTIN_MODELS = {"builtin:tiny-llama": model_dir}
 BUILTIN_DATASETS = {"builtin:tiny-instruct": dataset_dir}
 
 
-def builtin_dir(name: str, what: str = "model.name") -> Path:
-    """The local directory of a builtin model or dataset (`builtin:tiny-llama`, `builtin:tiny-instruct`),
-    built on first use. RecipeError naming `what` and the known names for anything else."""
-    builder = BUILTIN_MODELS.get(name) or BUILTIN_DATASETS.get(name)
+def builtin_dir(name: str, what: str = "model.name", kind: str = "model") -> Path:
+    """The local directory of a builtin model (`builtin:tiny-llama`) or, with kind="dataset", a builtin dataset
+    (`builtin:tiny-instruct`), built on first use. RecipeError naming `what` and the known names otherwise."""
+    table = BUILTIN_DATASETS if kind == "dataset" else BUILTIN_MODELS
+    builder = table.get(name)
     if builder is None:
-        known = ", ".join([*BUILTIN_MODELS, *BUILTIN_DATASETS])
-        raise RecipeError([f"{what}: unknown builtin '{name}'; known: {known}"])
+        noun = "builtin dataset" if kind == "dataset" else "builtin"
+        raise RecipeError([f"{what}: unknown {noun} '{name}'; known: {', '.join(table)}"])
     return builder()
