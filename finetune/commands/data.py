@@ -93,11 +93,11 @@ def run(args) -> int:
     if args.dataset:
         recipe.data.sources = [DataSource(path=args.dataset)]
         recipe.data.eval_sources = []
-    from finetune.train.model import resolve_attention
+    from finetune.train.model import attention_fallback
 
-    notices = []
-    layout = data_mod.packing_layout(recipe.data.packing, resolve_attention(recipe.model.attn_implementation,
-                                                                            notices.append), notices.append)
+    attn, note = attention_fallback(recipe.model.attn_implementation)
+    notices = [note] if note else []
+    layout = data_mod.packing_layout(recipe.data.packing, attn, notices.append)
     tok = _tokenizer(recipe.model)
     prepared = data_mod.prepare(recipe.data, tok)
     stats = dict(prepared.stats)
