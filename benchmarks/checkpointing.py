@@ -36,14 +36,14 @@ def count_flops(checkpointing: bool) -> dict:
     from finetune import recipe as recipe_mod
     from finetune.train.lora import apply_lora
     from finetune.train.model import enable_checkpointing, load_model
-    from finetune.train.loop import token_loss_sum
+    from finetune.train.loss import token_loss_sum
 
     import bitsandbytes  # noqa: F401  (defines the op the formula is for)
 
     _register_bnb_formula()
     rec = recipe_mod.load(TINY_RECIPE, ["model.attn_implementation=eager",
                                         f"model.gradient_checkpointing={str(checkpointing).lower()}"])
-    model = load_model(rec.model, rec.quantization, notice=lambda *a: None)
+    model = load_model(rec.model, rec.quantization, quiet=True)
     enable_checkpointing(model, rec.model)
     model = apply_lora(model, rec.lora, seed=rec.train.seed)
     model.train()

@@ -102,7 +102,7 @@ def measure_activations(model, batch: int, seq: int, checkpointing: bool) -> dic
     """Saved bytes of one forward pass; `per_layer` is the largest decoder layer's own share."""
     import torch
 
-    from finetune.plan.attention import attention_kernels
+    from finetune.train.loss import attention_kernels
 
     model.train()
     _set_checkpointing(model, checkpointing)
@@ -115,7 +115,7 @@ def measure_activations(model, batch: int, seq: int, checkpointing: bool) -> dic
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
     try:
-        # the attention kernels the training loop picks for this batch (finetune.attention)
+        # the attention kernels the training loop picks for this batch (finetune.plan.attention)
         with meter(), torch.autocast("cpu", dtype=torch.bfloat16), attention_kernels("cpu", "bf16", seq):
             out = model(input_ids=ids, labels=ids, use_cache=False)
     finally:

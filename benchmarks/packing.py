@@ -5,7 +5,7 @@ data often is), encoded by finetune's own pipeline. Packing efficiency and paddi
 on the whole set (rows of MAX_LEN; micro-batches of BATCH).
 
 The speed: real QLoRA steps on the builtin tiny model (4-bit NF4 base via finetune.model.load_model, LoRA
-via finetune.lora.apply_lora, the loop's own loss finetune.train.token_loss_sum, 8-bit AdamW). The first
+via finetune.train.lora.apply_lora, the loop's own loss finetune.train.loss.token_loss_sum, 8-bit AdamW). The first
 TIMED_ROWS packed rows, and the very same examples dynamically padded (seeded order, batches of BATCH
 examples padded to their longest), each make one optimizer step whose micro-batches are accumulated as
 the training loop does. Packed and padded steps alternate, REPEATS of each after one warm-up each, and
@@ -55,7 +55,7 @@ def documents(rows: list[dict]) -> list[dict]:
 def _step(model, optimizer, batches, tspec, token_loss_sum) -> tuple[float, int]:
     """One optimizer step over `batches`, accumulated with the loop's normalisation (loss sum over the
     step's trained tokens). Returns (seconds, trained tokens)."""
-    from finetune.train.loop import batch_kernels
+    from finetune.train.loss import batch_kernels
 
     t0 = time.perf_counter()
     total = sum(int((b["labels"][:, 1:] != -100).sum()) for b in batches)
@@ -75,7 +75,7 @@ def run() -> dict:
     from finetune.train.model import load_model, load_tokenizer
     from finetune.train.optim import build_optimizer
     from finetune.recipe import DataSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
-    from finetune.train.loop import token_loss_sum
+    from finetune.train.loss import token_loss_sum
 
     mspec, tspec = ModelSpec(gradient_checkpointing=False), TrainSpec(optimizer="adamw_8bit")
     tok = load_tokenizer(mspec)
@@ -88,7 +88,7 @@ def run() -> dict:
     packed = [B.collate_packed(rows[i: i + BATCH], tok.pad_token_id) for i in range(0, len(rows), BATCH)]
     padded = [B.collate(same[i: i + BATCH], tok.pad_token_id) for i in range(0, len(same), BATCH)]
 
-    model = apply_lora(load_model(mspec, QuantizationSpec(), notice=lambda *_: None), LoraSpec(), seed=0)
+    model = apply_lora(load_model(mspec, QuantizationSpec(), quiet=True), LoraSpec(), seed=0)
     model.train()
     optimizer = build_optimizer(model, tspec)
     speeds = {"packed": [], "unpacked": []}

@@ -43,8 +43,8 @@ def throughput(r: dict) -> list[str]:
         "", f"Ratio of medians {_f(r['throughput_ratio'])}; ratio within each back-to-back pair: "
             f"{_samples(r['pair_ratios'], 3)}.",
         *(["", "Where the difference comes from: finetune's loop runs the output head and the fp32 loss on "
-               "trained positions only (`train.trained_rows_only`), and on CPU in bf16 picks SDPA's math "
-               "kernel for batches of up to 128 tokens (`finetune.attention`), where torch's default "
+               "trained positions only (`train.loss.trained_rows_only`), and on CPU in bf16 picks SDPA's math "
+               "kernel for batches of up to 128 tokens (`finetune.plan.attention`), where torch's default "
                "flash kernel has a slow backward. With torch's own kernel choice the ratio is "
                f"{_f(r['torch_kernels_ratio'])}."] if "torch_kernels_ratio" in r else []),
         "", "Same work on both sides: the first step's loss (LoRA B starts at zero, so it depends only on the "

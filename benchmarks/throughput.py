@@ -5,7 +5,7 @@ Each run is a fresh process forked from a server that has only imported the libr
 the real `finetune.train.train()` on recipes/tiny_cpu.yaml; its throughput is read from the run's own
 metrics.jsonl (logged every `warmup` steps), skipping the first window: steady state only. Runs alternate
 A B C / C B A; the ratio is of the medians. The third arm, finetune's loop with torch's own SDPA kernel
-choice, shows how much of the ratio comes from finetune.attention.
+choice, shows how much of the ratio comes from finetune.plan.attention.
 
     python -m benchmarks.throughput [--reps 5] [--warmup 5] [--steps 20]
 """
@@ -39,15 +39,15 @@ def finetune_run(extra: list[str], warmup: int, steps: int, torch_kernels: bool 
     """finetune's loop as users run it (train() on the recipe); steady throughput from its metrics.jsonl.
 
     torch_kernels=True is the ablation arm: the same loop with torch's own SDPA kernel choice instead of
-    finetune.attention (this process only; each run is a fresh process)."""
+    finetune.plan.attention (this process only; each run is a fresh process)."""
     import torch
 
     from finetune import recipe as recipe_mod
-    from finetune.train import loop as train_mod
+    from finetune.train import loss as loss_mod
     from finetune.train.loop import train
 
     if torch_kernels:
-        train_mod.attention_kernels = lambda *args: contextlib.nullcontext()
+        loss_mod.attention_kernels = lambda *args: contextlib.nullcontext()
 
     with tempfile.TemporaryDirectory(prefix="bench-ft-") as tmp:
         rec = recipe_mod.load(TINY_RECIPE, overrides(warmup, steps, tuple(extra)) + [f"output.dir={tmp}"])

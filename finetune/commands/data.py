@@ -88,6 +88,7 @@ def run(args) -> int:
     from finetune.data.encode import IGNORE
     from finetune.data.prepare import prepare
     from finetune.recipe import DataSource
+    from finetune.train.model import resolve_attention
 
     if args.show < 0:
         raise RecipeError(["--show: must be >= 0"])
@@ -95,18 +96,14 @@ def run(args) -> int:
     if args.dataset:
         recipe.data.sources = [DataSource(path=args.dataset)]
         recipe.data.eval_sources = []
-    from finetune.train.model import resolve_attention
-
-    notices = []
-    attn = resolve_attention(recipe.model.attn_implementation, notices.append)
     tok = _tokenizer(recipe.model)
     prepared = prepare(recipe.data, tok)
     stats = dict(prepared.stats)
     stats.update(batch_stats(prepared.train, recipe.train.micro_batch_size, recipe.data.max_seq_len))
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
-    for note in notices:
-        print(note)
-    layout = packing_layout(recipe.data.packing, attn)  # its notice prints here, after the data is ready
+    # Their notices (flash-attn missing, packing unsupported) print here, after the data is ready.
+    attn = resolve_attention(recipe.model.attn_implementation)
+    layout = packing_layout(recipe.data.packing, attn)
     stats.update(packing=recipe.data.packing, packing_layout=layout, micro_batch_size=recipe.train.micro_batch_size)
     if args.show:
         print(f"trained tokens are shown {'in green' if color else OPEN + 'like this' + CLOSE}")

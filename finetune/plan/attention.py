@@ -1,11 +1,9 @@
-"""Which SDPA kernel a training or evaluation forward asks for.
+"""Which SDPA kernel a training or evaluation forward asks for: the rule, without torch.
 
-The rule is plain Python (torch is imported only to apply it) because the memory planner reads it too:
-the kernel decides which tensors attention keeps for backward.
+The rule lives in the plan layer because the memory planner reads it too (the kernel decides which
+tensors attention keeps for backward); finetune.train.loss.attention_kernels applies it with torch.
 """
 from __future__ import annotations
-
-import contextlib
 
 # Longest batch (tokens) for which CPU training in bf16 uses SDPA's math kernel.
 CPU_MATH_ATTENTION_MAX_LEN = 128
@@ -25,11 +23,3 @@ def uses_cpu_math_kernel(device_type: str, mixed_precision: str, seq_len: int) -
     keep torch's own choice."""
     return cpu_math_kernel_possible(device_type, mixed_precision) and seq_len <= CPU_MATH_ATTENTION_MAX_LEN
 
-
-def attention_kernels(device_type: str, mixed_precision: str, seq_len: int):
-    """Context manager restricting SDPA to the kernel `uses_cpu_math_kernel` picks (a no-op otherwise)."""
-    if uses_cpu_math_kernel(device_type, mixed_precision, seq_len):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        return sdpa_kernel(SDPBackend.MATH)
-    return contextlib.nullcontext()

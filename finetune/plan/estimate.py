@@ -180,7 +180,7 @@ def layer_saved_bytes(arch: Arch, s: Setup, batch: int, seq: int) -> int:
             total += lora_linear_saved(n_tok, x.d_in, x.d_out, s.lora_r, s) * x.count
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     if s.attn == "sdpa" and uses_cpu_math_kernel(s.device, s.mixed_precision, s.seq_len):
-        # SDPA's math kernel (finetune.attention) upcasts q, k and v (repeated to all heads) to fp32
+        # SDPA's math kernel (finetune.plan.attention) upcasts q, k and v (repeated to all heads) to fp32
         # and keeps those with the fp32 probabilities, in place of the bf16 q, k, v and output
         total += 3 * t * q * 4 + batch * arch.heads * seq * seq * 4
     else:
@@ -226,7 +226,7 @@ def activation_terms(arch: Arch, s: Setup) -> dict[str, int]:
     else:
         held, layers = 0, arch.layers * per_layer + rope - first_layer_discount(arch, s, b * L)
     # Logits and their fp32 upcast for the loss, planned for every position: the bound for data with no
-    # masked prompt. The loop runs the head on trained positions only (train.trained_rows_only), so
+    # masked prompt. The loop runs the head on trained positions only (train.loss.trained_rows_only), so
     # prompt-masked instruction data needs less.
     logits_transient = b * L * arch.vocab * (MP_BYTES[s.mixed_precision] + 4)
     return {"activations": layers, "logits_loss": head_saved_bytes(arch, s, b, L) + logits_transient,

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from finetune.util import atomic
 from finetune.util.errors import explain
+from finetune.util.log import log
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 MANIFEST = "trainer_state.json"
@@ -61,14 +61,10 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _notice(msg: str):
-    if os.environ.get("RANK", "0") == "0":
-        print(msg, file=sys.stderr, flush=True)
-
-
-def latest(root: Path, notice=_notice) -> Path | None:
+def latest(root: Path, notice=log.warning) -> Path | None:
     """The newest checkpoint that passes `problems()`. A newer one that fails (a disk that lost data
-    after the rename, a manifest edited by hand) is skipped with a notice, not resumed from."""
+    after the rename, a manifest edited by hand) is skipped with a notice (stderr; tests collect or
+    silence it with `notice`), not resumed from."""
     for _, path in reversed(list_checkpoints(root)):
         why = problems(path)
         if not why:
@@ -132,14 +128,15 @@ def problems(path: Path) -> str | None:
         state = json.loads((path / MANIFEST).read_text())
         files = state["files"]
         state["step"], state["world_size"], state["data"]["cursor"]
+        if not isinstance(files, dict):  # {relative path: size in bytes}
+            raise TypeError("files")
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"unreadable manifest ({type(e).__name__})"
-    sizes = files if isinstance(files, dict) else {f: None for f in files}  # early manifests: names only
-    for name, size in sizes.items():
+    for name, size in files.items():
         p = path / name
         if not p.is_file():
             return f"missing {name}"
-        if size is not None and p.stat().st_size != size:
+        if p.stat().st_size != size:
             return f"{name} has {p.stat().st_size} bytes, the manifest says {size}"
     return None
 

@@ -18,11 +18,10 @@ import os
 import torch
 
 from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
+from finetune.util.dtypes import autocast_dtype, torch_dtype
 from finetune.util.errors import RecipeError
-from finetune.util.log import is_main, print0
+from finetune.util.log import is_main, log
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # FSDP2 expresses FSDP1's two plain strategies as a bool; the hybrid/replicated ones need a 2-D mesh.
 _FSDP2_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 
@@ -82,7 +81,7 @@ def fsdp_plugin_kwargs(fsdp: FsdpSpec, model_dtype: str, on_cpu: bool) -> dict:
         # the model to meta and broadcasts rank 0's weights.
         kw["cpu_ram_efficient_loading"] = fsdp.cpu_ram_efficient_loading
     if fsdp.mixed_precision_param_dtype is not None:
-        kw["mixed_precision_policy"] = _fsdp_mixed_precision(fsdp.version, _DTYPES[fsdp.mixed_precision_param_dtype])
+        kw["mixed_precision_policy"] = _fsdp_mixed_precision(fsdp.version, torch_dtype(fsdp.mixed_precision_param_dtype))
     return kw
 
 
@@ -143,11 +142,11 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
         if plugin.fsdp_version == 1:
             acc.state.device = torch.device("cpu")
     if plugin is not None and acc.distributed_type != DistributedType.FSDP:
-        print0(f"fsdp: {acc.num_processes} process without a launcher; nothing to shard, training unsharded "
-               "(start several with `accelerate launch` or torchrun)")
-    acc._finetune_autocast_dtype = _AUTOCAST_DTYPES[train.mixed_precision]
+        log.info(f"fsdp: {acc.num_processes} process without a launcher; nothing to shard, training unsharded "
+                 "(start several with `accelerate launch` or torchrun)")
+    acc._finetune_autocast_dtype = autocast_dtype(train.mixed_precision)
     if fsdp.cpu_offload and on_cpu and dist.strategy == "fsdp":
-        print0("fsdp: cpu_offload has no effect on CPU (parameters already live in CPU RAM)")
+        log.info("fsdp: cpu_offload has no effect on CPU (parameters already live in CPU RAM)")
     return acc
 
 
@@ -160,7 +159,7 @@ def autocast(accelerator_or_spec, device_type: str | None = None):
     buffers are preserved.
     """
     if isinstance(accelerator_or_spec, TrainSpec):
-        dtype = _AUTOCAST_DTYPES[accelerator_or_spec.mixed_precision]
+        dtype = autocast_dtype(accelerator_or_spec.mixed_precision)
     else:
         dtype = getattr(accelerator_or_spec, "_finetune_autocast_dtype", None)
         device_type = device_type or accelerator_or_spec.device.type
@@ -267,7 +266,7 @@ def prepare(accelerator, model, optimizer):
     if fsdp:
         if not is_sharded(out[0]):
             raise RuntimeError(f"FSDP was configured but prepare returned an unsharded {type(out[0]).__name__}")
-        print0(describe_fsdp(accelerator))
+        log.info(describe_fsdp(accelerator))
     return out
 
 

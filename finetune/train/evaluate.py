@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.data import batching
+from finetune.data import batching, encode
 from finetune.data.prepare import prepare
 from finetune.util.errors import RecipeError
 from finetune.recipe.rundir import read_recipe
@@ -30,7 +30,7 @@ def load_run(run_dir: Path):
         raise RecipeError([f"{adapter}: no adapter_model.safetensors (pickle adapters are refused); convert it, "
                            "or set model.allow_pickle: true in its recipe.yaml"])
     tok = load_tokenizer(recipe.model, path=str(adapter))
-    base = load_model(recipe.model, recipe.quantization, notice=lambda *_: None)
+    base = load_model(recipe.model, recipe.quantization, quiet=True)
     model = PeftModel.from_pretrained(base, str(adapter))
     model.eval()
     return recipe, tok, model
@@ -40,7 +40,7 @@ def _prompt_completion(row: dict) -> tuple[str, str] | None:
     if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
         return row["prompt"], row["completion"]
     if isinstance(row.get("instruction"), str) and isinstance(row.get("output"), str):
-        return row["instruction"] + ("\n" + row["input"] if row.get("input") else "") + "\n", row["output"]
+        return encode.instruction_prompt(row), row["output"]
     return None
 
 
@@ -64,19 +64,12 @@ def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int) -> fl
     return sum(o.strip() == c.strip() for o, (_, c) in zip(outs, pairs)) / len(pairs)
 
 
-@torch.no_grad()
 def heldout_loss(model, examples, recipe) -> float:
-    from finetune.train.loop import batch_kernels, token_loss_sum
+    from finetune.train.loss import loss_totals
 
-    total = count = 0
     device_type = "cpu" if not torch.cuda.is_available() else "cuda"
     batches = batching.batches(examples, recipe.train.micro_batch_size, 0, False, recipe.data.max_seq_len)
-    for i, b in enumerate(batches):
-        if recipe.eval.max_batches and i >= recipe.eval.max_batches:
-            break
-        with batch_kernels(b, device_type, recipe.train):
-            loss, n = token_loss_sum(model, b, device_type, recipe.train)
-        total, count = total + float(loss), count + n
+    total, count = loss_totals(model, batches, device_type, recipe.train, recipe.eval.max_batches)
     return total / max(count, 1)
 
 

@@ -1,82 +1,248 @@
-"""The training loop: one explicit loop, readable top to bottom.
+"""The training loop: one explicit loop, readable top to bottom (`_train`).
 
 setup (accelerator, tokenizer, 4-bit base, LoRA, data, optimizer) -> resume -> for each optimizer step:
 accumulate micro-batches under autocast, clip, step, log, evaluate, checkpoint -> save the adapter.
+
+Every collective call (a sharded forward, a reduce, a barrier) is made by every rank in the same order:
+the steps below branch on the rank only around rank-0 work that is not collective.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from accelerate.utils import extract_model_from_parallel
 
-from finetune.train import checkpoint
 from finetune.data import batching
-from finetune.data.encode import IGNORE
 from finetune.data.prepare import prepare as prepare_data
-from finetune.plan.attention import CPU_MATH_ATTENTION_MAX_LEN, attention_kernels, cpu_math_kernel_possible
-from finetune.train.distributed import autocast, gather_full_adapter_state, make_accelerator, prepare
-from finetune.util.log import print0
+from finetune.plan.attention import CPU_MATH_ATTENTION_MAX_LEN, cpu_math_kernel_possible
+from finetune.recipe import Recipe
+from finetune.recipe.rundir import write_recipe
+from finetune.train import checkpoint
+from finetune.train.distributed import gather_full_adapter_state, make_accelerator, prepare
 from finetune.train.lora import apply_lora, trainable_report
+from finetune.train.loss import batch_kernels, loss_totals, token_loss_sum, trained_tokens
 from finetune.train.metrics import Metrics
 from finetune.train.model import enable_checkpointing, load_model, load_tokenizer
 from finetune.train.optim import build_optimizer, build_scheduler
-from finetune.recipe import Recipe
 from finetune.util.errors import RecipeError
-from finetune.recipe.rundir import write_recipe
+from finetune.util.log import log
 
 
-def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[torch.Tensor, int]:
-    """Sum of next-token cross-entropy over trained tokens, and their count.
+@dataclass
+class Run:
+    """What the steps of one run share. step / epoch / cursor are the position a checkpoint records
+    (cursor: micro-batches consumed in the current epoch); `batches` are this rank's for `epoch`."""
+    recipe: Recipe
+    run_dir: Path
+    acc: object
+    tok: object
+    model: object
+    prepared: object
+    layout: str | None
+    total_steps: int
+    optimizer: object
+    scheduler: object
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    batches: list | None = None
+    eval_batches: list | None = None
+    metrics: Metrics | None = None
 
-    Summing (not averaging) per micro-batch lets the caller divide by the tokens of the whole optimizer
-    step across all ranks, so micro-batch x accumulation x processes never changes the result.
+    @property
+    def ckpt_root(self) -> Path:
+        return self.run_dir / "checkpoints"
 
-    The output head runs only on the positions whose next token is trained (see `trained_rows_only`):
-    prompt and padding positions never get logits, so neither their head matmul nor their fp32 upcast for
-    the loss is paid. Callers run it, and its backward, inside `batch_kernels`."""
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != IGNORE  # position t predicts token t + 1
-    with trained_rows_only(model, keep), autocast(train_spec, device_type):
-        logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
-    targets = labels[:, 1:][keep[:, :-1]]
-    if logits.dim() != 2 or logits.size(0) != targets.numel():
-        raise RuntimeError(f"{type(extract_model_from_parallel(model)).__name__} computed its logits without "
-                           "calling its output-embeddings module; finetune's loss needs that module")
-    loss = F.cross_entropy(logits.float(), targets, reduction="sum")  # fp32 loss under bf16 autocast
-    return loss, targets.numel()
+    def epoch_batches(self) -> list:
+        return epoch_batches(self.prepared.train, self.epoch, self.recipe, self.acc.process_index,
+                             self.acc.num_processes, self.tok.pad_token_id, self.layout)
 
 
-def batch_kernels(batch: dict, device_type: str, train_spec):
-    """The SDPA kernels for this batch (finetune.attention), to hold over its forward AND its backward:
-    gradient checkpointing recomputes attention during backward, and the recomputation must save the same
-    tensors as the forward did, so it must run the same kernel."""
-    return attention_kernels(device_type, train_spec.mixed_precision, batch["input_ids"].size(1))
-
-
-@contextlib.contextmanager
-def trained_rows_only(model, keep: torch.Tensor):
-    """While active, the model's output head sees only the hidden states at `keep` ([B, T] bool):
-    [B, T, hidden] becomes [N, hidden] and the model returns logits [N, vocab].
-
-    Why: in instruction data most positions are prompt or padding, and the logits are the largest
-    activation of a large-vocabulary model (Llama 3: 128k x 4 bytes per position in fp32). A forward
-    pre-hook on the head keeps this inside the model's own forward, so FSDP's hooks (which gather the
-    head's weights) run exactly as they do without it."""
-    head = extract_model_from_parallel(model).get_output_embeddings()
-    handle = head.register_forward_pre_hook(lambda module, args: (args[0][keep], *args[1:]))
+def train(recipe: Recipe, run_dir: Path, return_model: bool = False) -> dict:
+    """Run the recipe into run_dir; returns the final metrics (and the trained model, for tests and
+    notebooks, when return_model)."""
+    stop = StopSignal()
     try:
-        yield
+        return _train(recipe, run_dir, stop, return_model)
     finally:
-        handle.remove()
+        stop.restore()
+
+
+def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool = False) -> dict:
+    run = setup(recipe, run_dir)
+    resume(run)
+    if run.acc.is_main_process:
+        write_recipe(run_dir, recipe)
+        stats = run.prepared.stats
+        log.info(f"model: {trainable_report(run.model)}; data: {stats['rows']} rows, "
+                 f"{stats['trained_tokens']} trained tokens; {run.total_steps} steps")
+    run.eval_batches = held_out_batches(run)
+    run.metrics = Metrics(run_dir, run.total_steps, run.step, recipe.output.progress_bar)
+    run.model.train()
+    run.batches = run.epoch_batches()
+    t, rate, last = recipe.train, TokenRate(), {}
+    while run.step < run.total_steps:
+        loss, grad_norm, step_tokens = optimizer_step(run)
+        rate.add(step_tokens)
+        last = {"loss": loss, "lr": run.scheduler.get_last_lr()[0]}
+        run.metrics.step(run.step, **last)
+        if run.step % t.log_every == 0 or run.step == run.total_steps or run.step == 1:
+            run.metrics.log(run.step, epoch=run.epoch, loss=round(loss, 6), lr=last["lr"],
+                            grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
+                            tokens_per_s=rate.per_second())
+            rate.reset()
+        if t.eval_every and run.step % t.eval_every == 0 and run.eval_batches:
+            run.metrics.log(run.step, eval_loss=round(evaluate(run), 6))
+        if save_or_stop(run, stop):
+            run.metrics.close()
+            return {"step": run.step, "stopped": True, **last}
+    final = {"step": run.step, **last}
+    if run.eval_batches:
+        final["eval_loss"] = evaluate(run)
+        run.metrics.log(run.step, eval_loss=round(final["eval_loss"], 6))
+    export_adapter(run)
+    run.metrics.close()
+    run.acc.wait_for_everyone()
+    if return_model:
+        final["model"] = run.acc.unwrap_model(run.model)
+    return final
+
+
+def setup(recipe: Recipe, run_dir: Path) -> Run:
+    """Accelerator, tokenizer, data, the 4-bit base with fresh LoRA adapters, packing layout, step count,
+    optimizer and schedule; the model is not wrapped for its strategy yet (that is `resume`'s)."""
+    t = recipe.train
+    acc = make_accelerator(recipe.distributed, recipe.fsdp, t, recipe.model.dtype)
+    torch.manual_seed(t.seed)
+    tok = load_tokenizer(recipe.model)
+    with acc.local_main_process_first():  # builtin assets and data caches are built once per node
+        prepared = prepare_data(recipe.data, tok)
+    model = load_model(recipe.model, recipe.quantization)
+    enable_checkpointing(model, recipe.model)
+    model = apply_lora(model, recipe.lora, seed=t.seed)
+    attn = acc.unwrap_model(model).config._attn_implementation
+    layout = batching.packing_layout(recipe.data.packing, attn)
+    if attn == "sdpa" and cpu_math_kernel_possible(acc.device.type, t.mixed_precision):
+        log.info(f"attention: batches of up to {CPU_MATH_ATTENTION_MAX_LEN} tokens use SDPA's math kernel (on "
+                 "CPU in bf16 its backward is about twice as fast as the flash kernel's)")
+    _, total_steps = plan_steps(recipe, prepared.train, acc.num_processes, layout)
+    optimizer = build_optimizer(model, t)
+    scheduler = build_scheduler(optimizer, t, total_steps)  # stepped by us, once per step: never prepared
+    return Run(recipe, run_dir, acc, tok, model, prepared, layout, total_steps, optimizer, scheduler)
+
+
+def resume(run: Run) -> None:
+    """Wrap model and optimizer for the strategy, first loading the checkpoint `train.resume` names (if
+    any) into them: adapter weights before wrapping, optimizer / scheduler / RNG state and data position
+    after. Collective."""
+    acc = run.acc
+    if acc.is_main_process:
+        checkpoint.clean_partial(run.ckpt_root)  # leftovers of an interrupted checkpoint write
+    acc.wait_for_everyone()
+    resume_from = resolve_resume(run.recipe.train.resume, run.ckpt_root)
+    if resume_from is not None:
+        state = checkpoint.verify(resume_from, acc.num_processes)
+        # Adapter weights go in before sharding: every rank loads the full tensors, FSDP then shards them.
+        load_adapter_into(run.model, resume_from / "adapter")
+    run.model, run.optimizer = prepare(acc, run.model, run.optimizer)
+    if resume_from is not None:
+        checkpoint.load_training_state(resume_from, acc.process_index, run.optimizer, run.scheduler)
+        run.step, run.epoch, run.cursor = state["step"], state["data"]["epoch"], state["data"]["cursor"]
+        log.info(f"resume: from {resume_from} (step {run.step})")
+
+
+def held_out_batches(run: Run) -> list:
+    """This rank's share of the held-out rows, in micro-batches."""
+    world = run.acc.num_processes
+    # Every rank must run the same number of forwards (a sharded forward is collective): drop the remainder.
+    held = run.prepared.eval[: len(run.prepared.eval) // world * world]
+    return batching.batches(held[run.acc.process_index::world], run.recipe.train.micro_batch_size,
+                            run.tok.pad_token_id, False, run.recipe.data.max_seq_len)
+
+
+def next_micro_batches(run: Run) -> list[dict]:
+    """The next optimizer step's micro-batches on the device, going on to the next epoch at an epoch's end."""
+    micro = []
+    while len(micro) < run.recipe.train.gradient_accumulation_steps:
+        if run.cursor >= len(run.batches):
+            run.epoch, run.cursor = run.epoch + 1, 0
+            run.batches = run.epoch_batches()
+        micro.append({k: v.to(run.acc.device) for k, v in run.batches[run.cursor].items()})
+        run.cursor += 1
+    return micro
+
+
+def optimizer_step(run: Run) -> tuple[float, torch.Tensor | None, float]:
+    """One optimizer step: accumulate the micro-batches' gradients, clip, step the optimizer and the
+    schedule. Returns (mean token loss of the step over all ranks, gradient norm before clipping or None,
+    trained tokens of the step over all ranks)."""
+    acc, t, device_type = run.acc, run.recipe.train, run.acc.device.type
+    # Gather this step's micro-batches first: the loss is normalised by the trained tokens of the
+    # whole step on every rank, which must be known before the first backward.
+    micro = next_micro_batches(run)
+    step_tokens = global_sum(acc, sum(trained_tokens(b) for b in micro))
+    loss_total = 0.0
+    for b in micro:
+        with batch_kernels(b, device_type, t):
+            loss_sum, _ = token_loss_sum(run.model, b, device_type, t)
+            # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
+            acc.backward(loss_sum * acc.num_processes / step_tokens)
+        loss_total += loss_sum.item()
+    grad_norm = acc.clip_grad_norm_(run.model.parameters(), t.max_grad_norm) if t.max_grad_norm else None
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return global_sum(acc, loss_total) / step_tokens, grad_norm, step_tokens
+
+
+def evaluate(run: Run) -> float:
+    """Mean held-out token loss (all ranks take part: a sharded model needs every rank's forward)."""
+    acc = run.acc
+    run.model.eval()
+    total, count = loss_totals(run.model, run.eval_batches, acc.device.type, run.recipe.train,
+                               run.recipe.eval.max_batches, device=acc.device)
+    run.model.train()
+    total, count = global_sum(acc, total), global_sum(acc, count)
+    return total / max(count, 1)
+
+
+def save_or_stop(run: Run, stop: StopSignal) -> bool:
+    """Checkpoint when `train.save_every` (or the last step) says so; on a stop signal, checkpoint this
+    step if that did not and say how to resume. True when the run stops here. Collective."""
+    t = run.recipe.train
+    saved = (t.save_every and run.step % t.save_every == 0) or run.step == run.total_steps
+    if saved:
+        save_checkpoint(run)
+    # Checked after a scheduled save too: with save_every 1 every step saves, and a stop must still stop.
+    if run.step < run.total_steps and stop.requested(run.acc):
+        if not saved:
+            save_checkpoint(run)
+        log.info(f"stopped by signal {stop.signum}: wrote checkpoints/step-{run.step}; re-run the same command "
+                 "to resume")
+        return True
+    return False
+
+
+class TokenRate:
+    """Trained tokens per second since the last logged step."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.tokens, self.since = 0, time.perf_counter()
+
+    def add(self, tokens: float):
+        self.tokens += tokens
+
+    def per_second(self) -> float:
+        return round(self.tokens / max(time.perf_counter() - self.since, 1e-9), 1)
 
 
 def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int, layout: str | None):
@@ -100,36 +266,6 @@ def global_sum(accelerator, value: float) -> float:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
     return float(accelerator.reduce(t, reduction="sum").item())
-
-
-@torch.no_grad()
-def evaluate(model, batches, accelerator, train_spec, max_batches=None) -> float:
-    """Mean held-out token loss (all ranks take part: a sharded model needs every rank's forward)."""
-    model.eval()
-    total = count = 0.0
-    for i, b in enumerate(batches):
-        if max_batches and i >= max_batches:
-            break
-        b = {k: v.to(accelerator.device) for k, v in b.items()}
-        with batch_kernels(b, accelerator.device.type, train_spec):
-            loss, n = token_loss_sum(model, b, accelerator.device.type, train_spec)
-        total += float(loss)
-        count += n
-    model.train()
-    total, count = global_sum(accelerator, total), global_sum(accelerator, count)
-    return total / max(count, 1)
-
-
-def setup(recipe: Recipe):
-    acc = make_accelerator(recipe.distributed, recipe.fsdp, recipe.train, recipe.model.dtype)
-    torch.manual_seed(recipe.train.seed)
-    tok = load_tokenizer(recipe.model)
-    with acc.local_main_process_first():  # builtin assets and data caches are built once per node
-        prepared = prepare_data(recipe.data, tok)
-    model = load_model(recipe.model, recipe.quantization, notice=print0)
-    enable_checkpointing(model, recipe.model)
-    model = apply_lora(model, recipe.lora, seed=recipe.train.seed)
-    return acc, tok, model, prepared
 
 
 def plan_steps(recipe: Recipe, examples: list, world: int, layout: str | None) -> tuple[int, int]:
@@ -169,116 +305,6 @@ class StopSignal:
             signal.signal(sig, handler)
 
 
-def train(recipe: Recipe, run_dir: Path, return_model: bool = False) -> dict:
-    """Run the recipe into run_dir; returns the final metrics (and the trained model, for tests and
-    notebooks, when return_model)."""
-    stop = StopSignal()
-    try:
-        result = _train(recipe, run_dir, stop, return_model)
-        return result
-    finally:
-        stop.restore()
-
-
-def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool = False) -> dict:
-    acc, tok, model, prepared = setup(recipe)
-    rank, world, dev = acc.process_index, acc.num_processes, acc.device
-    attn = acc.unwrap_model(model).config._attn_implementation
-    layout = batching.packing_layout(recipe.data.packing, attn)
-    if attn == "sdpa" and cpu_math_kernel_possible(dev.type, recipe.train.mixed_precision):
-        print0(f"attention: batches of up to {CPU_MATH_ATTENTION_MAX_LEN} tokens use SDPA's math kernel (on CPU "
-               "in bf16 its backward is about twice as fast as the flash kernel's)")
-    per_epoch, total_steps = plan_steps(recipe, prepared.train, world, layout)
-    t = recipe.train
-    optimizer = build_optimizer(model, t)
-    scheduler = build_scheduler(optimizer, t, total_steps)  # stepped by us, once per step: never prepared
-    ckpt_root = run_dir / "checkpoints"
-    step, epoch, cursor = 0, 0, 0  # cursor: micro-batches consumed in the current epoch
-    if acc.is_main_process:
-        checkpoint.clean_partial(ckpt_root)  # leftovers of an interrupted checkpoint write
-    acc.wait_for_everyone()
-    resume_from = resolve_resume(t.resume, ckpt_root)
-    if resume_from is not None:
-        state = checkpoint.verify(resume_from, world)
-        # Adapter weights go in before sharding: every rank loads the full tensors, FSDP then shards them.
-        load_adapter_into(model, resume_from / "adapter")
-    model, optimizer = prepare(acc, model, optimizer)
-    if resume_from is not None:
-        checkpoint.load_training_state(resume_from, rank, optimizer, scheduler)
-        step, epoch, cursor = state["step"], state["data"]["epoch"], state["data"]["cursor"]
-        print0(f"resume: from {resume_from} (step {step})")
-    if acc.is_main_process:
-        write_recipe(run_dir, recipe)
-        print0(f"model: {trainable_report(model)}; data: {prepared.stats['rows']} rows, "
-               f"{prepared.stats['trained_tokens']} trained tokens; {total_steps} steps")
-    # Every rank must run the same number of forwards (a sharded forward is collective): drop the remainder.
-    held = prepared.eval[: len(prepared.eval) // world * world]
-    eval_batches = batching.batches(held[rank::world], t.micro_batch_size, tok.pad_token_id, False,
-                                    recipe.data.max_seq_len)
-    metrics = Metrics(run_dir, total_steps, step, recipe.output.progress_bar)
-    model.train()
-    batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id, layout)
-    tokens_seen, t_log = 0, time.perf_counter()
-    last = {}
-    while step < total_steps:
-        # Gather this step's micro-batches first: the loss is normalised by the trained tokens of the
-        # whole step on every rank, which must be known before the first backward.
-        micro = []
-        while len(micro) < t.gradient_accumulation_steps:
-            if cursor >= len(batches):
-                epoch, cursor = epoch + 1, 0
-                batches = epoch_batches(prepared.train, epoch, recipe, rank, world, tok.pad_token_id, layout)
-            micro.append({k: v.to(dev) for k, v in batches[cursor].items()})
-            cursor += 1
-        local_tokens = sum(int((b["labels"][:, 1:] != IGNORE).sum()) for b in micro)
-        step_tokens = global_sum(acc, local_tokens)
-        loss_total = 0.0
-        for b in micro:
-            with batch_kernels(b, dev.type, t):
-                loss_sum, _ = token_loss_sum(model, b, dev.type, t)
-                # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
-                acc.backward(loss_sum * world / step_tokens)
-            loss_total += loss_sum.item()
-        grad_norm = acc.clip_grad_norm_(model.parameters(), t.max_grad_norm) if t.max_grad_norm else None
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        tokens_seen += step_tokens
-        loss = global_sum(acc, loss_total) / step_tokens
-        last = {"loss": loss, "lr": scheduler.get_last_lr()[0]}
-        metrics.step(step, **last)
-        if step % t.log_every == 0 or step == total_steps or step == 1:
-            elapsed = time.perf_counter() - t_log
-            metrics.log(step, epoch=epoch, loss=round(loss, 6), lr=last["lr"],
-                        grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
-                        tokens_per_s=round(tokens_seen / max(elapsed, 1e-9), 1))
-            tokens_seen, t_log = 0, time.perf_counter()
-        if t.eval_every and step % t.eval_every == 0 and eval_batches:
-            metrics.log(step, eval_loss=round(evaluate(model, eval_batches, acc, t, recipe.eval.max_batches), 6))
-        saved = (t.save_every and step % t.save_every == 0) or step == total_steps
-        if saved:
-            save_checkpoint(acc, model, optimizer, scheduler, ckpt_root, step, epoch, cursor, t.keep_checkpoints)
-        # Checked after a scheduled save too: with save_every 1 every step saves, and a stop must still stop.
-        if step < total_steps and stop.requested(acc):
-            if not saved:
-                save_checkpoint(acc, model, optimizer, scheduler, ckpt_root, step, epoch, cursor, t.keep_checkpoints)
-            print0(f"stopped by signal {stop.signum}: wrote checkpoints/step-{step}; re-run the same command to "
-                   "resume")
-            metrics.close()
-            return {"step": step, "stopped": True, **last}
-    final = {"step": step, **last}
-    if eval_batches:
-        final["eval_loss"] = evaluate(model, eval_batches, acc, t, recipe.eval.max_batches)
-        metrics.log(step, eval_loss=round(final["eval_loss"], 6))
-    export_adapter(acc, model, tok, run_dir)
-    metrics.close()
-    acc.wait_for_everyone()
-    if return_model:
-        final["model"] = acc.unwrap_model(model)
-    return final
-
-
 def resolve_resume(resume, ckpt_root: Path) -> Path | None:
     if resume is False:
         if checkpoint.latest(ckpt_root):
@@ -293,12 +319,6 @@ def resolve_resume(resume, ckpt_root: Path) -> Path | None:
     return p
 
 
-def adapter_state(acc, model) -> dict:
-    """Full-shape adapter weights on rank 0, {} elsewhere (gathered from the shards under FSDP).
-    Collective: every rank calls it."""
-    return gather_full_adapter_state(acc, model)
-
-
 def load_adapter_into(model, adapter_dir: Path):
     """Checkpointed adapter weights into the (not yet sharded) PeftModel; every key must match."""
     from peft import set_peft_model_state_dict
@@ -311,22 +331,26 @@ def load_adapter_into(model, adapter_dir: Path):
                            f"unexpected {list(result.unexpected_keys)[:3]}")
 
 
-def save_checkpoint(acc, model, optimizer, scheduler, root, step, epoch, cursor, keep):
-    state = adapter_state(acc, model)
-    cfg = acc.unwrap_model(model).peft_config["default"]
-    checkpoint.save(root, step, rank=acc.process_index, world=acc.num_processes, barrier=acc.wait_for_everyone,
-                    adapter=(cfg, state) if acc.is_main_process else None, optimizer=optimizer,
-                    scheduler=scheduler, data_state={"epoch": epoch, "cursor": cursor}, keep=keep)
+def save_checkpoint(run: Run):
+    """checkpoints/step-N of the run's current position. Collective: every rank calls it."""
+    acc, t = run.acc, run.recipe.train
+    state = gather_full_adapter_state(acc, run.model)  # full shapes on rank 0, {} elsewhere
+    cfg = acc.unwrap_model(run.model).peft_config["default"]
+    checkpoint.save(run.ckpt_root, run.step, rank=acc.process_index, world=acc.num_processes,
+                    barrier=acc.wait_for_everyone, adapter=(cfg, state) if acc.is_main_process else None,
+                    optimizer=run.optimizer, scheduler=run.scheduler,
+                    data_state={"epoch": run.epoch, "cursor": run.cursor}, keep=t.keep_checkpoints)
 
 
-def export_adapter(acc, model, tok, run_dir: Path):
-    """RUN_DIR/adapter: PEFT format, full shapes, with the tokenizer beside it."""
-    state = adapter_state(acc, model)
+def export_adapter(run: Run):
+    """RUN_DIR/adapter: PEFT format, full shapes, with the tokenizer beside it. Collective."""
+    acc = run.acc
+    state = gather_full_adapter_state(acc, run.model)
     if acc.is_main_process:
-        cfg = acc.unwrap_model(model).peft_config["default"]
+        cfg = acc.unwrap_model(run.model).peft_config["default"]
 
         def build(out: Path):
             checkpoint.write_adapter(out, cfg, state)
-            tok.save_pretrained(str(out))
+            run.tok.save_pretrained(str(out))
 
-        checkpoint.publish_dir(run_dir / "adapter", build)  # atomic: a crash never leaves half an adapter
+        checkpoint.publish_dir(run.run_dir / "adapter", build)  # atomic: a crash never leaves half an adapter

@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 
 from finetune.recipe import LoraSpec
-
-ADAPTER_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from finetune.util.dtypes import torch_dtype
 
 
 def peft_config(spec: LoraSpec):
@@ -29,7 +28,7 @@ def apply_lora(model, spec: LoraSpec, seed: int):
     model = get_peft_model(model, peft_config(spec), autocast_adapter_dtype=False)
     # Master copies of the trainable weights stay in the adapter dtype (fp32 default): the optimizer updates
     # them exactly while autocast does the matmuls in bf16.
-    dtype = ADAPTER_DTYPES[spec.dtype]
+    dtype = torch_dtype(spec.dtype)
     for p in model.parameters():
         if p.requires_grad and p.dtype != dtype:
             p.data = p.data.to(dtype)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from finetune.util import atomic
 from finetune.util.errors import explain
-from finetune.util.log import is_main, print0
+from finetune.util.log import is_main, log
 from finetune.util.redact import redact
 
 
@@ -45,7 +45,7 @@ class Metrics:
         if self.bar is not None:
             self.bar.write(line)
         else:
-            print0(line)
+            log.info(line)
 
     def close(self):
         if self.bar is not None:

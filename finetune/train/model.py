@@ -11,36 +11,40 @@ from pathlib import Path
 import torch
 
 from finetune.recipe import ModelSpec, QuantizationSpec
+from finetune.util.builtin import builtin_dir
+from finetune.util.dtypes import torch_dtype
 from finetune.util.errors import RecipeError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "uint8": torch.uint8}
+from finetune.util.log import log
 
 
 def resolve_name(name: str) -> str:
     """builtin:* -> the local directory the project builds; anything else is passed to transformers."""
     if name.startswith("builtin:"):
-        from finetune.util import builtin as tiny
-
-        builder = tiny.BUILTIN_MODELS.get(name)
-        if builder is None:
-            raise RecipeError([f"model.name: unknown builtin '{name}'; known: {', '.join(tiny.BUILTIN_MODELS)}"])
-        return str(builder())
+        return str(builtin_dir(name, "model.name"))
     if os.path.isdir(os.path.expanduser(name)):
         return str(Path(name).expanduser().resolve())
     return name
 
 
-def resolve_attention(requested: str, notice=print) -> str:
-    """flash_attention_2 needs CUDA and the flash-attn package; fall back to SDPA (same math) otherwise."""
+def attention_fallback(requested: str) -> tuple[str, str | None]:
+    """(the attention implementation this machine runs for `requested`, the line saying why it is another
+    one, or None). flash_attention_2 needs CUDA and the flash-attn package; SDPA (same math) otherwise."""
     if requested != "flash_attention_2":
-        return requested
+        return requested, None
     import importlib.util
 
     if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-        return requested
+        return requested, None
     why = "no CUDA device" if not torch.cuda.is_available() else "flash-attn is not installed"
-    notice(f"attention: flash_attention_2 -> sdpa ({why})")
-    return "sdpa"
+    return "sdpa", f"attention: flash_attention_2 -> sdpa ({why})"
+
+
+def resolve_attention(requested: str, quiet: bool = False) -> str:
+    """`attention_fallback`'s implementation, its line printed (stdout) unless `quiet`."""
+    name, why = attention_fallback(requested)
+    if why and not quiet:
+        log.info(why)
+    return name
 
 
 def bnb_config(q: QuantizationSpec, model_dtype: str):
@@ -55,10 +59,10 @@ def bnb_config(q: QuantizationSpec, model_dtype: str):
         load_in_4bit=True,
         bnb_4bit_quant_type=q.mode,
         bnb_4bit_use_double_quant=q.double_quant,
-        bnb_4bit_compute_dtype=DTYPES[q.compute_dtype],
+        bnb_4bit_compute_dtype=torch_dtype(q.compute_dtype),
         # The packed 4-bit bytes live in a tensor of this dtype. FSDP shards and gathers it like any other
         # parameter, so it must be the dtype of every other parameter (model.dtype) and never be cast.
-        bnb_4bit_quant_storage=DTYPES[q.quant_storage or model_dtype],
+        bnb_4bit_quant_storage=torch_dtype(q.quant_storage or model_dtype),
     )
 
 
@@ -86,8 +90,9 @@ def load_tokenizer(spec: ModelSpec, path: str | None = None):
     return tok
 
 
-def load_model(spec: ModelSpec, quant: QuantizationSpec, device_map=None, notice=print):
-    """Load the frozen base: quantized per `quant`, non-quantized parameters in `spec.dtype`."""
+def load_model(spec: ModelSpec, quant: QuantizationSpec, device_map=None, quiet: bool = False):
+    """Load the frozen base: quantized per `quant`, non-quantized parameters in `spec.dtype`. `quiet`
+    silences the attention fallback line (see resolve_attention)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_name(spec.name)
@@ -96,9 +101,9 @@ def load_model(spec: ModelSpec, quant: QuantizationSpec, device_map=None, notice
         model = AutoModelForCausalLM.from_pretrained(
             path,
             revision=spec.revision,
-            dtype=DTYPES[spec.dtype],
+            dtype=torch_dtype(spec.dtype),
             quantization_config=bnb_config(quant, spec.dtype),
-            attn_implementation=resolve_attention(spec.attn_implementation, notice),
+            attn_implementation=resolve_attention(spec.attn_implementation, quiet),
             trust_remote_code=spec.trust_remote_code,
             use_safetensors=None if spec.allow_pickle else True,
             device_map=device_map,

@@ -16,6 +16,7 @@ import math
 import torch
 
 from finetune.recipe import TrainSpec
+from finetune.util.log import log
 
 _notices: set[str] = set()
 
@@ -23,8 +24,7 @@ _notices: set[str] = set()
 def _notice_once(msg: str) -> None:
     if msg not in _notices:
         _notices.add(msg)
-        from finetune.util.log import print0
-        print0(msg)
+        log.info(msg)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ def load_qlora_model():
     from finetune.train.model import load_model
     from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
 
-    model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), notice=lambda *_: None)
+    model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), quiet=True)
     return apply_lora(model, LoraSpec(r=16, alpha=32, dropout=0.0), seed=0)
 
 

@@ -97,10 +97,10 @@ def test_loop_loss_sum_matches_packed_vs_unpacked_on_the_4bit_model(tiny_model_d
     from finetune.train.lora import apply_lora
     from finetune.train.model import load_model
     from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
-    from finetune.train.loop import token_loss_sum
+    from finetune.train.loss import token_loss_sum
 
     model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False), QuantizationSpec(),
-                       notice=lambda *_: None)
+                       quiet=True)
     model = apply_lora(model, LoraSpec(r=8, dropout=0.0), seed=0)
     with torch.no_grad():  # make the adapters non-zero so they take part
         for n, p in model.named_parameters():

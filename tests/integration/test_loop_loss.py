@@ -1,6 +1,6 @@
-"""The training loop's loss (train.token_loss_sum) against the textbook computation on the 4-bit + LoRA tiny
+"""The training loop's loss (train.loss.token_loss_sum) against the textbook computation on the 4-bit + LoRA tiny
 model: the output head runs on trained positions only, yet the loss and every adapter gradient are those of
-full logits; and the attention kernel choice of finetune.attention is the one that actually runs."""
+full logits; and the attention kernel choice of finetune.plan.attention is the one that actually runs."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,7 @@ def setup(tiny_model_dir):
              "completion": " ".join(["dog", "fox", "owl"][: 1 + i % 3])} for i in range(6)]
     batch = B.collate([E.encode(r, "auto", tok, DataSpec()) for r in rows], tok.pad_token_id)
     model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False), QuantizationSpec(),
-                       notice=lambda *_: None)
+                       quiet=True)
     model = apply_lora(model, LoraSpec(r=8, dropout=0.0), seed=0)
     with torch.no_grad():  # non-zero adapters, so every LoRA tensor gets a gradient
         for n, p in model.named_parameters():
@@ -38,7 +38,7 @@ def lora_grads(model) -> dict:
 
 
 def test_head_on_trained_rows_gives_the_full_logits_loss_and_gradients(setup):
-    from finetune.train.loop import token_loss_sum
+    from finetune.train.loss import token_loss_sum
 
     model, batch = setup
     labels = batch["labels"]
@@ -92,7 +92,7 @@ def saved_shapes(kernels, seq: int) -> list[tuple]:
     ("cpu", "bf16", 64, True), ("cpu", "bf16", 128, True),  # short bf16 batches on CPU: the math kernel
     ("cpu", "bf16", 256, False), ("cpu", "no", 64, False), ("cuda", "bf16", 64, False)])
 def test_attention_kernels_pick_the_math_kernel_only_for_short_bf16_cpu_batches(device, precision, seq, math):
-    from finetune.plan.attention import attention_kernels
+    from finetune.train.loss import attention_kernels
 
     shapes = saved_shapes(attention_kernels(device, precision, seq), seq)
     # the math kernel keeps the [batch * heads, T, T] fp32 probabilities; the flash kernel keeps only a

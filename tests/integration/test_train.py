@@ -175,7 +175,7 @@ def test_cli_overrides_and_bad_input(tmp_path):
 
 def test_gradient_checkpointing_recomputes_the_same_training(tmp_path, capsys):
     """Checkpointing recomputes each layer in backward, attention included: on CPU in bf16 the loop holds
-    the math kernel over backward too (train.batch_kernels), so the recomputation matches the forward and
+    the math kernel over backward too (train.loss.batch_kernels), so the recomputation matches the forward and
     training is the same as without checkpointing."""
     runs = {}
     for ck in (False, True):
