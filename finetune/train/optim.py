@@ -33,6 +33,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _update_shard(opt, F, p, config) -> None:
+    """bnb's 8-bit (or 32-bit, for small tensors) AdamW update of this rank's local shard of `p`, in place."""
+    local, grad = _local(p), _local(p.grad)
+    if local.numel() == 0:  # FSDP1 / uneven FSDP2 shards: this rank holds none of p
+        return
+    # The kernels update `work` in place; a non-contiguous shard is updated on a copy and copied back.
+    work = local if local.is_contiguous() else local.contiguous()
+    grad = grad.contiguous()
+    state = opt.state[p]
+    state["step"] += 1
+    beta1, beta2 = config["betas"][0], config["betas"][1]
+    beta3 = config["betas"][2] if len(config["betas"]) >= 3 else 0.0
+    if state["state1"].dtype == torch.float32:
+        F.optimizer_update_32bit(
+            opt.optimizer_name, grad, work, state["state1"], beta1, config["eps"], state["step"],
+            config["lr"], state["state2"], beta2, beta3, config.get("alpha", 0.0),
+            config["weight_decay"], 1.0, state["unorm_vec"] if config["max_unorm"] > 0.0 else None,
+            max_unorm=config["max_unorm"], skip_zeros=config["skip_zeros"])
+    else:
+        F.optimizer_update_8bit_blockwise(
+            opt.optimizer_name, grad, work, state["state1"], state["state2"], beta1, beta2, beta3,
+            config.get("alpha", 0.0), config["eps"], state["step"], config["lr"], state["qmap1"],
+            state["qmap2"], state["absmax1"], state["absmax2"], config["weight_decay"],
+            gnorm_scale=1.0, skip_zeros=config["skip_zeros"])
+    if work is not local:
+        local.copy_(work)
+
+
 def _sharded_adamw8bit_cls():
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
@@ -80,31 +108,7 @@ def _sharded_adamw8bit_cls():
 
         @torch.no_grad()
         def update_step(self, group, p, gindex, pindex):
-            local, grad = _local(p), _local(p.grad)
-            if local.numel() == 0:  # FSDP1 / uneven FSDP2 shards: this rank holds none of p
-                return
-            # The kernels update `work` in place; a non-contiguous shard is updated on a copy and copied back.
-            work = local if local.is_contiguous() else local.contiguous()
-            grad = grad.contiguous()
-            state = self.state[p]
-            config = self.get_config(gindex, pindex, group)
-            state["step"] += 1
-            beta1, beta2 = config["betas"][0], config["betas"][1]
-            beta3 = config["betas"][2] if len(config["betas"]) >= 3 else 0.0
-            if state["state1"].dtype == torch.float32:
-                F.optimizer_update_32bit(
-                    self.optimizer_name, grad, work, state["state1"], beta1, config["eps"], state["step"],
-                    config["lr"], state["state2"], beta2, beta3, config.get("alpha", 0.0),
-                    config["weight_decay"], 1.0, state["unorm_vec"] if config["max_unorm"] > 0.0 else None,
-                    max_unorm=config["max_unorm"], skip_zeros=config["skip_zeros"])
-            else:
-                F.optimizer_update_8bit_blockwise(
-                    self.optimizer_name, grad, work, state["state1"], state["state2"], beta1, beta2, beta3,
-                    config.get("alpha", 0.0), config["eps"], state["step"], config["lr"], state["qmap1"],
-                    state["qmap2"], state["absmax1"], state["absmax2"], config["weight_decay"],
-                    gnorm_scale=1.0, skip_zeros=config["skip_zeros"])
-            if work is not local:
-                local.copy_(work)
+            _update_shard(self, F, p, self.get_config(gindex, pindex, group))
 
     return ShardedAdamW8bit
 
