@@ -21,13 +21,18 @@ def plain_run(overrides: list[str], warmup: int, steps: int) -> dict:
     from accelerate import Accelerator
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from torch.utils.data import DataLoader
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, DataCollatorForSeq2Seq,
-                              get_cosine_schedule_with_warmup)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        BitsAndBytesConfig,
+        DataCollatorForSeq2Seq,
+        get_cosine_schedule_with_warmup,
+    )
 
     from benchmarks.common import TINY_RECIPE
     from finetune import recipe as recipe_mod
-    from finetune.util import builtin as tiny
     from finetune.data.prepare import prepare
+    from finetune.util import builtin as tiny
 
     rec = recipe_mod.load(TINY_RECIPE, overrides)  # read for its numbers only; none of its code runs below
     t, lo = rec.train, rec.lora

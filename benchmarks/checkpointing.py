@@ -30,15 +30,14 @@ def _register_bnb_formula():
 
 def count_flops(checkpointing: bool) -> dict:
     """FLOPs of one forward + backward of finetune's model and loss, split by op."""
+    import bitsandbytes  # noqa: F401  (defines the op the formula is for)
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
     from finetune import recipe as recipe_mod
     from finetune.train.lora import apply_lora
-    from finetune.train.model import enable_checkpointing, load_model
     from finetune.train.loss import token_loss_sum
-
-    import bitsandbytes  # noqa: F401  (defines the op the formula is for)
+    from finetune.train.model import enable_checkpointing, load_model
 
     _register_bnb_formula()
     rec = recipe_mod.load(TINY_RECIPE, ["model.attn_implementation=eager",

@@ -131,7 +131,7 @@ def last_json_line(text: str) -> dict:
 # ----------------------------------------------------------------------------------- machine facts
 
 def versions() -> dict[str, str]:
-    """Python and the library versions a run dir records (finetune.rundir.versions)."""
+    """Python and the library versions a run dir records (finetune.recipe.rundir.versions)."""
     from finetune.recipe.rundir import versions as library_versions
 
     return {"python": platform.python_version(),

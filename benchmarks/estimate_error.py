@@ -1,7 +1,7 @@
 """Row 4, `estimate_error`: the memory planner (`finetune estimate`) against bytes measured on the tiny
 4-bit + LoRA model: weights, quantization constants, gradients, 8-bit optimizer state, and the tensors
 autograd saves for backward over a sweep of sequence length x micro-batch x checkpointing. The row is the
-worst relative error over all of them (finetune/memcheck.py does the measuring)."""
+worst relative error over all of them (benchmarks/memcheck.py does the measuring)."""
 from __future__ import annotations
 
 

@@ -1,4 +1,4 @@
-"""FLOP models of LoRA training (pure arithmetic on an `finetune.archs.Arch`; no torch).
+"""FLOP models of LoRA training (pure arithmetic on an `finetune.plan.archs.Arch`; no torch).
 
 N counts the weights a token is multiplied by: every linear layer of every decoder layer (for MoE, the
 experts a token is routed to) plus the output head. The embedding is a lookup, not a matmul.

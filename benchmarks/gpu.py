@@ -4,7 +4,7 @@ published figures.
     python -m benchmarks.gpu recipes/llama3_8b_qlora.yaml [key=value ...] [--steps 60] [--warmup 10]
     accelerate launch -m benchmarks.gpu recipes/llama3_70b_qlora.yaml --steps 30      # several GPUs
 
-It trains with finetune's own loop (`finetune.train.train`), reads steady-state throughput from the run's
+It trains with finetune's own loop (`finetune.train.loop.train`), reads steady-state throughput from the run's
 metrics.jsonl (the first `--warmup` steps excluded), takes each GPU's peak allocated and reserved memory from
 torch, and writes a markdown report (default benchmarks/RESULTS_GPU.md) beside a table of published runs.
 It needs CUDA; without it it stops with exit code 2 before loading anything.
@@ -168,9 +168,9 @@ def measure(a: argparse.Namespace, argv: list[str], run_dir: Path) -> dict | Non
 
     from finetune.data.prepare import prepare
     from finetune.plan.archs import resolve
-    from finetune.train.model import load_tokenizer
     from finetune.recipe import load
     from finetune.train.loop import train
+    from finetune.train.model import load_tokenizer
 
     rec = load(a.recipe, bench_overrides(a, run_dir))
     torch.cuda.reset_peak_memory_stats()

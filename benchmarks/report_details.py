@@ -26,7 +26,7 @@ def _guard(rows: dict, name: str, title: str, body) -> list[str]:
 
 def throughput(r: dict) -> list[str]:
     return [
-        f"finetune's loop (`finetune.train.train` on recipes/tiny_cpu.yaml, throughput read from its "
+        f"finetune's loop (`finetune.train.loop.train` on recipes/tiny_cpu.yaml, throughput read from its "
         f"metrics.jsonl) against a plain transformers + peft + accelerate + bitsandbytes loop "
         f"(benchmarks/baseline.py) with the same 4-bit model, LoRA, tokenized data and order, micro-batch, "
         f"optimizer and bf16 autocast. {r['reps']} fresh runs each, alternating; per run {r['warmup_steps']} "
@@ -69,7 +69,7 @@ def merge_rss(r: dict) -> list[str]:
 
 def estimate_error(r: dict) -> list[str]:
     lines = ["`finetune estimate`'s plan against bytes measured on the tiny NF4 + LoRA model "
-             "(finetune/memcheck.py).", "", "| quantity | planned bytes | measured bytes | error |", "|---|---|---|---|"]
+             "(benchmarks/memcheck.py).", "", "| quantity | planned bytes | measured bytes | error |", "|---|---|---|---|"]
     lines += [f"| {x['what']} | {x['planned']:,} | {x['measured']:,} | {100 * x['error']:.2f}% |" for x in r["rows"]]
     return lines
 

@@ -2,7 +2,7 @@
 accelerate loop (benchmarks/baseline.py), same tiny QLoRA model, data and settings.
 
 Each run is a fresh process forked from a server that has only imported the libraries. finetune's side is
-the real `finetune.train.train()` on recipes/tiny_cpu.yaml; its throughput is read from the run's own
+the real `finetune.train.loop.train()` on recipes/tiny_cpu.yaml; its throughput is read from the run's own
 metrics.jsonl (logged every `warmup` steps), skipping the first window: steady state only. Runs alternate
 A B C / C B A; the ratio is of the medians. The third arm, finetune's loop with torch's own SDPA kernel
 choice, shows how much of the ratio comes from finetune.plan.attention.

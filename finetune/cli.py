@@ -11,8 +11,7 @@ import difflib
 import os
 import sys
 
-from finetune.commands import (accelerate_config, data, estimate, evaluate, generate, merge, slurm, train,
-                               validate)
+from finetune.commands import accelerate_config, data, estimate, evaluate, generate, merge, slurm, train, validate
 from finetune.util import redact
 from finetune.util.errors import RecipeError, exit_code
 

@@ -19,8 +19,8 @@ GREEN, RESET = "\033[1;32m", "\033[0m"
 def _tokenizer(model_spec):
     """The recipe's tokenizer. For the builtin model only its tokenizer files are needed, so the shipped
     ones are read directly (never building or loading weights just to look at data)."""
-    from finetune.util import builtin as tiny
     from finetune.train.model import load_tokenizer
+    from finetune.util import builtin as tiny
 
     shipped = tiny.ASSETS / f"tiny-llama-{tiny.VERSION}"
     if model_spec.name in tiny.BUILTIN_MODELS and (shipped / "tokenizer.json").exists():

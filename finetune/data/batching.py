@@ -10,7 +10,6 @@ import torch
 from finetune.data.encode import IGNORE
 from finetune.util.log import log
 
-
 # How each attention backend keeps packed documents apart (transformers 5.23, no attention_mask, no cache):
 # sdpa/eager build a block-diagonal causal mask from position_ids that restart at 0, per batch row; flash
 # attention 2 derives varlen cu_seqlens from position_ids, but only for ONE flattened row (batch size 1):

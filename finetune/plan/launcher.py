@@ -20,9 +20,9 @@ from pathlib import Path
 
 import yaml
 
-from finetune.util.errors import Problem, RecipeError
-from finetune.recipe.contract import process_count_problems
 from finetune.recipe import Recipe, load
+from finetune.recipe.contract import process_count_problems
+from finetune.util.errors import Problem, RecipeError
 
 DISTRIBUTED_TYPE = {"single": "NO", "ddp": "MULTI_GPU", "fsdp": "FSDP"}
 PARAM_DTYPE_TO_MP = {None: "no", "float32": "no", "bfloat16": "bf16", "float16": "fp16"}

@@ -13,9 +13,9 @@ import itertools
 import re
 from typing import Mapping, Sequence
 
-from finetune.util.errors import RecipeError
 from finetune.recipe import load
 from finetune.recipe.contract import process_count_problems
+from finetune.util.errors import RecipeError
 
 DEFAULT_PORT = 29500
 

@@ -11,8 +11,8 @@ import torch
 
 from finetune.data import batching, encode
 from finetune.data.prepare import prepare
-from finetune.util.errors import RecipeError
 from finetune.recipe.rundir import read_recipe
+from finetune.util.errors import RecipeError
 
 
 def load_run(run_dir: Path):

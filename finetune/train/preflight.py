@@ -15,11 +15,11 @@ import sys
 from dataclasses import replace
 
 from finetune.plan import estimate as E
-from finetune.util.units import fmt
 from finetune.plan.disk import output_problems
 from finetune.plan.launcher import launcher_problems
-from finetune.util.errors import Problem
 from finetune.recipe import Recipe, contract_problems
+from finetune.util.errors import Problem
+from finetune.util.units import fmt
 
 LAUNCH_VARS = ("WORLD_SIZE", "LOCAL_RANK", "ACCELERATE_USE_FSDP", "ACCELERATE_MIXED_PRECISION")
 

@@ -1,5 +1,5 @@
 """Worker for test_fsdp_blocks.py: trains the tiny 4-bit + LoRA model a few steps with the building blocks
-of finetune.distributed / finetune.optim and writes what it measured to OUT/.
+of finetune.train.distributed / finetune.train.optim and writes what it measured to OUT/.
 
     python fsdp_worker.py OUT --strategy single --micro-batch 8
     torchrun --standalone --nproc_per_node 2 fsdp_worker.py OUT --strategy fsdp --version 2 --micro-batch 4
@@ -23,9 +23,9 @@ SEQ, GLOBAL_BATCH = 32, 8
 def load_qlora_model():
     """The tiny base in 4-bit NF4 (double quant, bf16 compute, fp32 storage, fp32 model) + LoRA r=16 on
     every linear, dropout 0 so 1 and 2 processes compute the same thing."""
+    from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
     from finetune.train.lora import apply_lora
     from finetune.train.model import load_model
-    from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
 
     model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), quiet=True)
     return apply_lora(model, LoraSpec(r=16, alpha=32, dropout=0.0), seed=0)
@@ -35,9 +35,9 @@ def batches(steps: int):
     """Global batches of GLOBAL_BATCH rows x SEQ tokens cut from the tiny instruction set's token stream:
     real text, and every row has the same number of trained tokens, so the mean of the ranks' mean
     losses is the 1-process mean loss."""
-    from finetune.util import builtin as tiny
-    from finetune.train.model import load_tokenizer
     from finetune.recipe import ModelSpec
+    from finetune.train.model import load_tokenizer
+    from finetune.util import builtin as tiny
 
     tok = load_tokenizer(ModelSpec())
     need = (steps * GLOBAL_BATCH) * SEQ
@@ -121,9 +121,9 @@ def main(argv: list[str]) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
+    from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
     from finetune.train import distributed as D
     from finetune.train.optim import build_optimizer, build_scheduler
-    from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
 
     train = TrainSpec(micro_batch_size=args.micro_batch, optimizer=args.optimizer, learning_rate=args.lr,
                       mixed_precision=args.precision,

@@ -10,9 +10,9 @@ loads but is incomplete.
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
-import os
 import time
 
 import pytest

@@ -94,10 +94,10 @@ def test_without_restarting_positions_documents_leak_into_each_other(tiny_model_
 
 def test_loop_loss_sum_matches_packed_vs_unpacked_on_the_4bit_model(tiny_model_dir, examples):
     """The training loop's own loss (token_loss_sum) over the QLoRA model: same sum, same token count."""
-    from finetune.train.lora import apply_lora
-    from finetune.train.model import load_model
     from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
+    from finetune.train.lora import apply_lora
     from finetune.train.loss import token_loss_sum
+    from finetune.train.model import load_model
 
     model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False), QuantizationSpec(),
                        quiet=True)

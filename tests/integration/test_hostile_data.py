@@ -17,8 +17,8 @@ from finetune.data import formats as F
 from finetune.data import prepare as P
 from finetune.data import readers as R
 from finetune.data import sources as S
-from finetune.util import builtin as tiny
 from finetune.recipe import DataSource, from_dict
+from finetune.util import builtin as tiny
 from finetune.util.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from finetune.merge import stream as merge_mod
 from finetune import cli
+from finetune.merge import stream as merge_mod
+from finetune.merge.check import check_prompts, parity_check
 from finetune.merge.source import four_bit_weights, resolve_source
 from finetune.merge.stream import merge
-from finetune.merge.check import check_prompts, parity_check
 
 pytestmark = pytest.mark.slow
 

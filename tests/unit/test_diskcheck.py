@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.plan import disk as D
 from finetune import recipe as R
+from finetune.plan import disk as D
 from finetune.plan.archs import resolve
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Fast checks of finetune.distributed's recipe -> plugin mapping and finetune.optim (one process)."""
+"""Fast checks of finetune.train.distributed's recipe -> plugin mapping and finetune.train.optim (one process)."""
 from __future__ import annotations
 
 import io
@@ -6,9 +6,9 @@ import io
 import pytest
 import torch
 
+from finetune.recipe import FsdpSpec, TrainSpec
 from finetune.train import distributed as D
 from finetune.train import optim
-from finetune.recipe import FsdpSpec, TrainSpec
 from finetune.util.errors import RecipeError
 
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 import shlex
 import shutil
-import sys
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.recipe import reference as docs
 from finetune.recipe import field_docs
+from finetune.recipe import reference as docs
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "recipe_reference.md"

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from finetune import cli
 from finetune.plan import archs
 from finetune.plan import estimate as E
-from finetune import cli
 from finetune.util.units import parse_size
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.plan import headers
 from finetune import cli
+from finetune.plan import headers
 from finetune.train import preflight as validate
 from finetune.util.units import parse_size
 

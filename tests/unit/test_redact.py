@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from finetune import recipe as R
-from finetune.util import redact as X
 from finetune.recipe.rundir import read_recipe, write_recipe
+from finetune.util import redact as X
 
 ROOT = Path(__file__).resolve().parents[2]
 HF = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz01234567"

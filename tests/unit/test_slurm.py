@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.util.errors import RecipeError
 from finetune import cli
 from finetune.plan.slurm import expand_nodelist, launch_args
+from finetune.util.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[2]
 
