@@ -24,16 +24,8 @@ from pathlib import Path
 
 import torch
 
-from finetune.merge.plan import (
-    OUT_DTYPES,
-    TensorInfo,
-    lora_delta,
-    merged_tensor,
-    pair_keys,
-    plan_shards,
-    scaling,
-    shard_names,
-)
+from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, merged_tensor, pair_keys, plan_shards, scaling,
+                                 shard_names)
 from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
 from finetune.util.atomic import replace_dir
 from finetune.util.dtypes import recipe_name, torch_dtype

@@ -3,17 +3,8 @@ import math
 import pytest
 import torch
 
-from finetune.merge.plan import (
-    QuantSpec,
-    TensorInfo,
-    adapter_problems,
-    lora_delta,
-    merged_tensor,
-    pair_keys,
-    plan_shards,
-    scaling,
-    shard_names,
-)
+from finetune.merge.plan import (QuantSpec, TensorInfo, adapter_problems, lora_delta, merged_tensor, pair_keys,
+                                 plan_shards, scaling, shard_names)
 from finetune.util.errors import RecipeError
 from finetune.util.units import parse_size
 
