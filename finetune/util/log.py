@@ -46,8 +46,3 @@ if not log.handlers:
     log.addHandler(_handler)
     log.setLevel(logging.INFO)
     log.propagate = False  # the root logger's handlers (a notebook's, a library's) would print it twice
-
-
-def print0(*args) -> None:
-    """Rank 0 prints `args` (as print would join them) through the `finetune` logger."""
-    log.info(" ".join(str(a) for a in args))
