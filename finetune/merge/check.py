@@ -102,7 +102,7 @@ def reference_model(src, target: str):
         storage = src.recipe.effective_quant_storage() if src.recipe else "float32"
         bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
                                  bnb_4bit_use_double_quant=q.double_quant, bnb_4bit_compute_dtype=torch.float32,
-                                 bnb_4bit_quant_storage=getattr(torch, storage))
+                                 bnb_4bit_quant_storage=torch_dtype(storage))
         base = AutoModelForCausalLM.from_pretrained(src.base_dir, quantization_config=bnb, dtype=q.dtype)
         for m in base.modules():
             # On AVX512-BF16 CPUs, bitsandbytes' eval-mode Linear4bit repacks the weight for a kernel that

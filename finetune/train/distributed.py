@@ -27,10 +27,8 @@ _FSDP2_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 
 
 def has_accelerator_device() -> bool:
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and hasattr(acc, "is_available"):
-        return bool(acc.is_available())
-    return torch.cuda.is_available()
+    """A CUDA, ROCm, XPU or other torch accelerator is usable here (torch.accelerator, torch >= 2.6)."""
+    return bool(torch.accelerator.is_available())
 
 
 # ---------------------------------------------------------------------------------------------------
