@@ -105,7 +105,8 @@ def render() -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python -m finetune.recipe.reference", description="Write the recipe reference page.")
+    p = argparse.ArgumentParser(prog="python -m finetune.recipe.reference",
+                                description="Write the recipe reference page.")
     p.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
     p.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on drift")
     a = p.parse_args(argv)

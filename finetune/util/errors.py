@@ -2,8 +2,7 @@
 
 Exit codes: 0 ok, 2 bad input (recipe, data, arguments: `RecipeError`, rendered without a traceback),
 1 anything else (`OutputWriteError` is rendered as one line: what failed and what was kept), 130 when
-interrupted. `exit_code` applies them to any entry function, so `finetune VERB` and `python -m
-finetune.X` answer alike.
+interrupted. `exit_code` applies them to an entry function (the CLI's dispatch).
 """
 from __future__ import annotations
 
@@ -78,8 +77,3 @@ def exit_code(main: Callable[[list[str]], int | None], argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-
-
-def run_module(main: Callable[[list[str]], int | None]) -> int:
-    """`python -m finetune.X` entry: the same exit codes and error rendering as `finetune X`."""
-    return exit_code(main, sys.argv[1:])
