@@ -43,11 +43,17 @@ STRICT = ["train.mixed_precision=no", "quantization.compute_dtype=float32", "tra
           "train.adam_epsilon=1.0"]
 
 
-def single_run(tmp_path_factory, extra):
-    """1 process, micro-batch 16 = the global batch of 2 processes x 8."""
+# 1 process over the global batch of 2 processes x 8 rows: as one micro-batch of 16, or as the two 8-row
+# micro-batches the ranks see (accumulated: each padded to its own length, as on the ranks).
+AS_ONE_BATCH = ["train.micro_batch_size=16"]
+AS_RANK_BATCHES = ["train.micro_batch_size=8", "train.gradient_accumulation_steps=2"]
+
+
+def single_run(tmp_path_factory, extra, batches=AS_ONE_BATCH):
+    """1 process on the same rows and optimizer steps as the 2-process runs."""
     out = tmp_path_factory.mktemp("single") / "run"
     p = run_cli([str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), "distributed.strategy=single",
-                 "distributed.num_processes=1", "train.micro_batch_size=16", f"output.dir={out}", *COMMON, *extra],
+                 "distributed.num_processes=1", *batches, f"output.dir={out}", *COMMON, *extra],
                 env={"OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-3000:]
     return out
@@ -60,7 +66,7 @@ def single_strict(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_default(tmp_path_factory):
-    return single_run(tmp_path_factory, [])
+    return single_run(tmp_path_factory, [], AS_RANK_BATCHES)
 
 
 def rel_diff(a, b):
@@ -88,10 +94,14 @@ def test_fsdp_matches_one_process(tmp_path, single_strict, version):
 def test_fsdp_8bit_trains_like_one_process_and_resumes_exactly(tmp_path, single_default, version):
     run = tmp_path / "fsdp"
     launch(run, version)
-    # bf16 autocast with 8-bit optimizer state: last-bit differences between a 16-row batch and two 8-row
-    # shards (each padded to its own length) can move a moment across an 8-bit code, and 20 steps at lr 2e-3
-    # amplify that to about 1% (test_fsdp_matches_one_process checks the fp32 path to 1e-2 absolute).
-    assert losses(run) == pytest.approx(losses(single_default), rel=2e-2)
+    # The reference computes the ranks' two 8-row micro-batches in bf16 as the ranks do. (Against one 16-row
+    # batch, bf16 rounding moves a moment across an 8-bit code and 20 steps at lr 2e-3 amplify it to 2-4%.)
+    # FSDP2 shards each tensor by rows, here into whole 256-value blocks, so its sharded 8-bit state is the
+    # same as one process's: the losses agree up to reduction order (measured: identical). FSDP1 flattens a layer's
+    # tensors into one flat parameter whose 8-bit blocks and 4096-value threshold span tensors: the same
+    # moments quantised differently (measured: at most 1.6% over the 20 steps).
+    tolerance = 1e-4 if version == 2 else 2e-2
+    assert losses(run) == pytest.approx(losses(single_default), rel=tolerance)
     full = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     # Crash after the step-10 checkpoint: drop what came later, re-run the same command, which resumes.
     shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")
