@@ -5,21 +5,8 @@ The public names are importable from the package itself (`from finetune.recipe i
 """
 from finetune.recipe.contract import contract_problems
 from finetune.recipe.load import apply_overrides, field_docs, from_dict, load, parse_override, read_yaml
-from finetune.recipe.schema import (
-                                    DataFormat,
-                                    DataSource,
-                                    DataSpec,
-                                    DistributedSpec,
-                                    DType,
-                                    EvalSpec,
-                                    FsdpSpec,
-                                    LoraSpec,
-                                    ModelSpec,
-                                    OutputSpec,
-                                    QuantizationSpec,
-                                    Recipe,
-                                    TrainSpec,
-)
+from finetune.recipe.schema import (DataFormat, DataSource, DataSpec, DistributedSpec, DType, EvalSpec, FsdpSpec,
+                                    LoraSpec, ModelSpec, OutputSpec, QuantizationSpec, Recipe, TrainSpec)
 from finetune.util.errors import Problem, RecipeError
 
 __all__ = ["contract_problems", "apply_overrides", "field_docs", "from_dict", "load", "parse_override", "read_yaml",
