@@ -26,25 +26,19 @@ def resolve_name(name: str) -> str:
     return name
 
 
-def attention_fallback(requested: str) -> tuple[str, str | None]:
-    """(the attention implementation this machine runs for `requested`, the line saying why it is another
-    one, or None). flash_attention_2 needs CUDA and the flash-attn package; SDPA (same math) otherwise."""
+def resolve_attention(requested: str, quiet: bool = False) -> str:
+    """The attention implementation this machine runs for `requested`: flash_attention_2 needs CUDA and the
+    flash-attn package, SDPA (same math) stands in otherwise, with one line saying why unless `quiet`."""
     if requested != "flash_attention_2":
-        return requested, None
+        return requested
     import importlib.util
 
     if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
-        return requested, None
+        return requested
     why = "no CUDA device" if not torch.cuda.is_available() else "flash-attn is not installed"
-    return "sdpa", f"attention: flash_attention_2 -> sdpa ({why})"
-
-
-def resolve_attention(requested: str, quiet: bool = False) -> str:
-    """`attention_fallback`'s implementation, its line printed (stdout) unless `quiet`."""
-    name, why = attention_fallback(requested)
-    if why and not quiet:
-        log.info(why)
-    return name
+    if not quiet:
+        log.info(f"attention: flash_attention_2 -> sdpa ({why})")
+    return "sdpa"
 
 
 def bnb_config(q: QuantizationSpec, model_dtype: str):

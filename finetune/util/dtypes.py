@@ -6,7 +6,6 @@ torch is imported when a function is called, so the torch-free layers can import
 """
 from __future__ import annotations
 
-RECIPE_NAMES = ("float32", "bfloat16", "float16", "uint8")
 SHORT_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 SAFETENSORS_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
                      "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
