@@ -34,7 +34,8 @@ def load_recipe(args: argparse.Namespace):
     from finetune.recipe import load
 
     split_overrides(args)
-    return load(args.recipe, args.overrides)
+    # --gpus is the process count `distributed.strategy: auto` is resolved for (else the launcher's).
+    return load(args.recipe, args.overrides, world=getattr(args, "gpus", None))
 
 
 def at_least_one(args: argparse.Namespace, *names: str) -> None:

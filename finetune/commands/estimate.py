@@ -36,7 +36,7 @@ def setup_from_args(a):
     from finetune.util.units import parse_size
 
     if a.recipe:
-        r = rmod.load(a.recipe, a.overrides)
+        r = rmod.load(a.recipe, a.overrides, world=a.gpus)
     else:
         # The schema's defaults are the default QLoRA run: plan that for --model.
         data = rmod.apply_overrides({"model": {"name": a.model or "builtin:tiny-llama"}}, a.overrides)

@@ -84,9 +84,12 @@ def check_prompts(src, n: int = 4) -> list[str]:
 
 
 def _logits(model, tok, prompts) -> list[torch.Tensor]:
+    from finetune.train.device import to_model_device
+
     model.eval()
     with torch.no_grad():
-        return [model(**tok(p, return_tensors="pt")).logits[0].float() for p in prompts]
+        return [model(**to_model_device(model, tok(p, return_tensors="pt"))).logits[0].float().cpu()
+                for p in prompts]
 
 
 def reference_model(src, target: str):

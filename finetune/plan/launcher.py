@@ -202,7 +202,9 @@ def launcher_problems(r: Recipe, env=None) -> list[Problem]:
     if kind == "DEEPSPEED":
         out.append(Problem(level="error", path="distributed.strategy", message="launched with DeepSpeed, which this "
                            "toolkit does not drive", fix=f"launch with an FSDP or DDP config; {regen}"))
-    elif d.strategy == "fsdp" and kind != "FSDP" and world > 1:
+    elif d.strategy == "fsdp" and kind != "FSDP" and world > 1 and not d.from_auto:
+        # (With strategy auto the recipe left the choice to the process count; the Accelerator is built
+        # with the FSDP plugin whatever the launcher's distributed type, e.g. accelerate's default multi-GPU.)
         out.append(Problem(level="error", path="distributed.strategy",
                            message=f"recipe shards with FSDP but the launcher set up {kind} "
                                    f"(ACCELERATE_USE_FSDP unset): every process would hold the whole model",
@@ -245,7 +247,9 @@ def launcher_problems(r: Recipe, env=None) -> list[Problem]:
 
 def _mixed_precision_problems(r: Recipe, env, kind: str) -> list[Problem]:
     got = env.get("ACCELERATE_MIXED_PRECISION")
-    if got is None:
+    # "no" is also what `accelerate launch` sets when no config names a precision; the Accelerator is
+    # built with mixed_precision="no" whatever the launcher says, so the recipe decides precision.
+    if got is None or got.strip().lower() == "no":
         return []
     want = expected_mixed_precision(r)
     if got.lower() == want:

@@ -103,7 +103,7 @@ def _port(env: Mapping[str, str], problems: list[str]) -> int | None:
 
 def _check_recipe(recipe_path: str, overrides: Sequence[str], machines: int, processes: int) -> None:
     """Fail on the login node, not on every compute node after the weights load."""
-    d = load(recipe_path, list(overrides)).distributed
+    d = load(recipe_path, list(overrides), world=processes).distributed
     problems = []
     if d.num_machines != machines:
         problems.append(f"distributed.num_machines is {d.num_machines} but the job has {machines} nodes "

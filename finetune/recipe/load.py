@@ -136,8 +136,33 @@ def read_yaml(path: str | os.PathLike) -> dict:
     return data
 
 
-def from_dict(data: dict, source: str | None = None) -> Recipe:
+def resolve_auto_strategy(data: dict, world: int | None = None) -> bool:
+    """`distributed.strategy: auto` (the default) -> single for one process, fsdp for several, in place;
+    True when it was auto. The count: distributed.num_processes, else `world`, else the launcher's
+    WORLD_SIZE, else distributed.num_machines (1 when not launched)."""
+    dist = data.get("distributed")
+    if dist is None:
+        dist = data["distributed"] = {}
+    if not isinstance(dist, dict) or dist.get("strategy", "auto") != "auto":
+        return False
     try:
+        n = int(dist.get("num_processes") or world or os.environ.get("WORLD_SIZE") or dist.get("num_machines") or 1)
+    except (TypeError, ValueError):
+        return False  # a bad num_processes is reported by validation
+    dist["strategy"] = "fsdp" if n > 1 else "single"
+    return True
+
+
+def from_dict(data: dict, source: str | None = None, world: int | None = None) -> Recipe:
+    """Validate a recipe dict; `world` is the process count `strategy: auto` is resolved for (see
+    resolve_auto_strategy)."""
+    try:
+        if isinstance(data, dict):
+            data = dict(data)
+            auto = resolve_auto_strategy(data, world)
+            r = Recipe.model_validate(data)
+            r.distributed._from_auto = auto
+            return r
         return Recipe.model_validate(data)
     except ValidationError as e:
         raise RecipeError(_format_errors(e), source) from None
@@ -145,11 +170,12 @@ def from_dict(data: dict, source: str | None = None) -> Recipe:
         raise RecipeError([str(e)], source) from None
 
 
-def load(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe. Raises RecipeError with every problem at once."""
+def load(path: str | os.PathLike, overrides: list[str] | None = None, world: int | None = None) -> Recipe:
+    """Read, override and validate a recipe. Raises RecipeError with every problem at once. `world`: the
+    process count to plan for when it is not the launcher's (`--gpus`)."""
     data = read_yaml(path)
     data = apply_overrides(data, list(overrides or []))
-    return from_dict(data, str(path))
+    return from_dict(data, str(path), world)
 
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from finetune.recipe.contract import contract_problems
 
@@ -193,9 +193,12 @@ class EvalSpec(_Section):
 
 
 class DistributedSpec(_Section):
-    strategy: Literal["single", "ddp", "fsdp"] = "single"
-    """single: one process. ddp: every process holds a full 4-bit replica (models that fit one device).
+    strategy: Literal["auto", "single", "ddp", "fsdp"] = "auto"
+    """auto: single for one process, fsdp for several (FSDP2 unless the `fsdp` section says otherwise),
+    decided when the recipe is loaded from num_processes, else from the launcher's process count.
+    single: one process. ddp: every process holds a full 4-bit replica (models that fit one device).
     fsdp: parameters sharded across processes (see the `fsdp` section)."""
+    _from_auto: bool = PrivateAttr(default=False)
     num_processes: int | None = Field(None, ge=1)
     """Total processes (all machines); null: whatever the launcher starts. A mismatch with the
     launcher is an error before weights load."""
@@ -206,6 +209,11 @@ class DistributedSpec(_Section):
     timeout_minutes: float = Field(30, gt=0)
     """How long a collective waits for a rank that stopped answering (without dying) before the job fails.
     A rank that dies is noticed by the launcher within about a second either way."""
+
+    @property
+    def from_auto(self) -> bool:
+        """The strategy was `auto`, resolved for the process count (so a launcher's own choice is no conflict)."""
+        return self._from_auto
 
 
 class FsdpSpec(_Section):

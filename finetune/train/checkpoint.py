@@ -158,8 +158,10 @@ def load_training_state(path: Path, rank: int, optimizer, scheduler):
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng = torch.load(path / f"rng-rank{rank}.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "cuda" in rng:
+        from finetune.train.device import restore_cuda_rng
+
+        restore_cuda_rng(rng["cuda"])  # only the devices visible now (fewer GPUs than at save time is fine)
 
 
 def clean_partial(root: Path):

@@ -18,6 +18,7 @@ import os
 import torch
 
 from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
+from finetune.train.device import cuda_unusable_reason
 from finetune.util.dtypes import autocast_dtype, torch_dtype
 from finetune.util.errors import RecipeError
 from finetune.util.log import is_main, log
@@ -29,6 +30,21 @@ _FSDP2_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
 def has_accelerator_device() -> bool:
     """A CUDA, ROCm, XPU or other torch accelerator is usable here (torch.accelerator, torch >= 2.6)."""
     return bool(torch.accelerator.is_available())
+
+
+def resolve_strategy(dist: DistributedSpec, fsdp_version: int, world: int | None = None) -> DistributedSpec:
+    """`strategy: auto` made concrete for the processes started (one process: single; several: fsdp), said
+    in one line. Recipes loaded from a file arrive resolved (finetune.recipe.load); this also covers
+    specs built in code."""
+    if dist.strategy == "auto":
+        world = world or dist.num_processes or int(os.environ.get("WORLD_SIZE", "1") or 1)
+        dist = dist.model_copy(update={"strategy": "fsdp" if world > 1 else "single"})
+        dist._from_auto = True
+    if dist.from_auto:
+        world = world or int(os.environ.get("WORLD_SIZE", "1") or 1)
+        how = f"fsdp (FSDP{fsdp_version})" if dist.strategy == "fsdp" else dist.strategy
+        log.info(f"distributed.strategy: auto -> {how} for {world} process{'es' if world > 1 else ''}")
+    return dist
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -108,8 +124,16 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
     on_cpu = not has_accelerator_device()
+    if on_cpu and (reason := cuda_unusable_reason()):
+        raise RecipeError([f"device: {reason}"])  # never train on the CPU in place of a broken GPU
     if dist.backend == "nccl" and on_cpu:
         raise RecipeError(["distributed.backend: nccl needs CUDA GPUs and none is available. Fix: use auto or gloo"])
+    if dist.backend == "gloo" and not on_cpu:
+        # gloo moves every all-gather and reduce-scatter through host memory: many times slower than NCCL,
+        # and FSDP's collectives on CUDA tensors are not all implemented for it.
+        raise RecipeError(["distributed.backend: gloo on GPUs (CUDA tensors) would route every collective through "
+                           "the CPU. Fix: use distributed.backend: auto (nccl on GPUs, gloo on CPU)"])
+    dist = resolve_strategy(dist, fsdp.version)
     launcher_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
     if launcher_fsdp and dist.strategy != "fsdp":
         raise RecipeError([f"distributed.strategy: {dist.strategy}, but the launcher config uses FSDP. Fix: launch "
@@ -121,8 +145,6 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
 
     # A hung rank must not hold the others forever: collectives give up after distributed.timeout_minutes.
     pg = {"timeout": datetime.timedelta(minutes=dist.timeout_minutes)}
-    if dist.backend == "gloo" and not on_cpu:
-        pg["backend"] = "gloo"
     handlers = [InitProcessGroupKwargs(**pg)]
     # The plugin is passed on CPU too, although Accelerate leaves it unused there: otherwise, under
     # `accelerate launch` with an FSDP config, Accelerate builds its own plugin from the launcher's FSDP_*
@@ -285,13 +307,12 @@ def gather_full_adapter_state(accelerator, model) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     unwrapped = accelerator.unwrap_model(model)
-    if is_sharded(model):
-        # FSDP1's cpu offload, when the compute device already is the CPU, "moves" the gathered flat
-        # parameter to where it is and then frees it: every entry points at freed memory and cloning it
-        # segfaults (torch 2.13). There is nothing to offload on CPU anyway. On GPUs it keeps rank 0's
-        # full copy off the device.
-        offload = accelerator.device.type != "cpu" or accelerator.state.fsdp_plugin.fsdp_version == 2
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=offload, ignore_frozen_params=True)
+    if is_sharded(model) and accelerator.state.fsdp_plugin.fsdp_version == 1:
+        raw = _fsdp1_full_state_dict(model, offload=accelerator.device.type != "cpu")
+    elif is_sharded(model):
+        # FSDP2: rank 0 receives the full tensors in CPU memory (offload: the gathered copy never sits
+        # on the device), the others get {}; the frozen base is skipped before gathering.
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         raw = get_model_state_dict(model, options=opts)  # clean names: no FSDP wrapper prefixes
     else:
         raw = {k: v.detach().to("cpu", copy=True) for k, v in unwrapped.named_parameters() if v.requires_grad}
@@ -308,6 +329,26 @@ def gather_full_adapter_state(accelerator, model) -> dict[str, torch.Tensor]:
     if len(out) < n_trainable:  # never write an empty or partial adapter without a word
         raise RuntimeError(f"gathered {len(out)} adapter tensors for {n_trainable} trainable parameters")
     return out
+
+
+def _fsdp1_full_state_dict(model, offload: bool) -> dict:
+    """FSDP1's full state dict, on rank 0 only (rank0_only: the other ranks get {}).
+
+    Not torch's `get_model_state_dict`: with cpu_offload it turns rank0_only on, and its frozen-parameter
+    filter then pops keys ranks > 0 never received (KeyError on every rank but 0, torch 2.13). Here rank 0
+    filters the trainable tensors itself. `offload` (GPU runs) copies each gathered layer to CPU memory
+    at once; on CPU it stays off: FSDP1's `FlatParamHandle.to_cpu` moves the gathered flat parameter to
+    where it already is and then frees that storage, leaving every entry pointing at freed memory.
+    """
+    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+
+    cfg = FullStateDictConfig(offload_to_cpu=offload, rank0_only=True)
+    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
+        full = model.state_dict()
+    if not is_main():
+        return {}
+    trainable = {_clean(n) for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v.detach().to("cpu", copy=True) for k, v in full.items() if _clean(k) in trainable}
 
 
 def _clean(name: str) -> str:

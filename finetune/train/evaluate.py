@@ -12,6 +12,7 @@ import torch
 from finetune.data import batching, encode
 from finetune.data.prepare import prepare
 from finetune.recipe.rundir import read_recipe
+from finetune.train.device import model_device, to_model_device
 from finetune.util.errors import RecipeError
 
 
@@ -49,7 +50,7 @@ def greedy(model, tok, prompts: list[str], max_new_tokens: int, batch_size: int 
     tok.padding_side = "left"  # generation continues from the right end of every row
     out = []
     for i in range(0, len(prompts), batch_size):
-        enc = tok(prompts[i: i + batch_size], return_tensors="pt", padding=True)
+        enc = to_model_device(model, tok(prompts[i: i + batch_size], return_tensors="pt", padding=True))
         gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
         out += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
@@ -67,9 +68,9 @@ def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int) -> fl
 def heldout_loss(model, examples, recipe) -> float:
     from finetune.train.loss import loss_totals
 
-    device_type = "cpu" if not torch.cuda.is_available() else "cuda"
+    device = model_device(model)
     batches = batching.batches(examples, recipe.train.micro_batch_size, 0, False, recipe.data.max_seq_len)
-    total, count = loss_totals(model, batches, device_type, recipe.train, recipe.eval.max_batches)
+    total, count = loss_totals(model, batches, device.type, recipe.train, recipe.eval.max_batches, device=device)
     return total / max(count, 1)
 
 

@@ -25,10 +25,11 @@ from finetune.recipe.rundir import write_recipe
 from finetune.train import checkpoint
 from finetune.train.distributed import gather_full_adapter_state, make_accelerator, prepare
 from finetune.train.lora import apply_lora, trainable_report
-from finetune.train.loss import batch_kernels, loss_totals, token_loss_sum, trained_tokens
+from finetune.train.loss import loss_totals
 from finetune.train.metrics import Metrics
 from finetune.train.model import enable_checkpointing, load_model, load_tokenizer
 from finetune.train.optim import build_optimizer, build_scheduler
+from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.util.errors import RecipeError
 from finetune.util.log import log
 
@@ -53,6 +54,7 @@ class Run:
     batches: list | None = None
     eval_batches: list | None = None
     metrics: Metrics | None = None
+    scaler: object = None  # finetune.train.scaling.LossScaler
 
     @property
     def ckpt_root(self) -> Path:
@@ -85,16 +87,23 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     run.metrics = Metrics(run_dir, run.total_steps, run.step, recipe.output.progress_bar)
     run.model.train()
     run.batches = run.epoch_batches()
+    run.scaler = make_scaler(run)
     t, rate, last = recipe.train, TokenRate(), {}
     while run.step < run.total_steps:
-        loss, grad_norm, step_tokens = optimizer_step(run)
+        out = optimizer_step(run, stop)
+        if out is None:  # stopped between micro-batches: the step was abandoned
+            stop_now(run, stop)
+            run.metrics.close()
+            return {"step": run.step, "stopped": True, **last}
+        loss, grad_norm, step_tokens = out
         rate.add(step_tokens)
         last = {"loss": loss, "lr": run.scheduler.get_last_lr()[0]}
         run.metrics.step(run.step, **last)
         if run.step % t.log_every == 0 or run.step == run.total_steps or run.step == 1:
+            skipped = {"skipped_steps": run.scaler.skipped} if run.scaler.enabled else {}
             run.metrics.log(run.step, epoch=run.epoch, loss=round(loss, 6), lr=last["lr"],
                             grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
-                            tokens_per_s=rate.per_second())
+                            tokens_per_s=rate.per_second(), **skipped)
             rate.reset()
         if t.eval_every and run.step % t.eval_every == 0 and run.eval_batches:
             run.metrics.log(run.step, eval_loss=round(evaluate(run), 6))
@@ -102,6 +111,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
             run.metrics.close()
             return {"step": run.step, "stopped": True, **last}
     final = {"step": run.step, **last}
+    if run.scaler.enabled:
+        final["skipped_steps"] = run.scaler.skipped
     if run.eval_batches:
         final["eval_loss"] = evaluate(run)
         run.metrics.log(run.step, eval_loss=round(final["eval_loss"], 6))
@@ -165,42 +176,6 @@ def held_out_batches(run: Run) -> list:
                             run.tok.pad_token_id, False, run.recipe.data.max_seq_len)
 
 
-def next_micro_batches(run: Run) -> list[dict]:
-    """The next optimizer step's micro-batches on the device, going on to the next epoch at an epoch's end."""
-    micro = []
-    while len(micro) < run.recipe.train.gradient_accumulation_steps:
-        if run.cursor >= len(run.batches):
-            run.epoch, run.cursor = run.epoch + 1, 0
-            run.batches = run.epoch_batches()
-        micro.append({k: v.to(run.acc.device) for k, v in run.batches[run.cursor].items()})
-        run.cursor += 1
-    return micro
-
-
-def optimizer_step(run: Run) -> tuple[float, torch.Tensor | None, float]:
-    """One optimizer step: accumulate the micro-batches' gradients, clip, step the optimizer and the
-    schedule. Returns (mean token loss of the step over all ranks, gradient norm before clipping or None,
-    trained tokens of the step over all ranks)."""
-    acc, t, device_type = run.acc, run.recipe.train, run.acc.device.type
-    # Gather this step's micro-batches first: the loss is normalised by the trained tokens of the
-    # whole step on every rank, which must be known before the first backward.
-    micro = next_micro_batches(run)
-    step_tokens = global_sum(acc, sum(trained_tokens(b) for b in micro))
-    loss_total = 0.0
-    for b in micro:
-        with batch_kernels(b, device_type, t):
-            loss_sum, _ = token_loss_sum(run.model, b, device_type, t)
-            # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
-            acc.backward(loss_sum * acc.num_processes / step_tokens)
-        loss_total += loss_sum.item()
-    grad_norm = acc.clip_grad_norm_(run.model.parameters(), t.max_grad_norm) if t.max_grad_norm else None
-    run.optimizer.step()
-    run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.step += 1
-    return global_sum(acc, loss_total) / step_tokens, grad_norm, step_tokens
-
-
 def evaluate(run: Run) -> float:
     """Mean held-out token loss (all ranks take part: a sharded model needs every rank's forward)."""
     acc = run.acc
@@ -227,6 +202,17 @@ def save_or_stop(run: Run, stop: StopSignal) -> bool:
                  "to resume")
         return True
     return False
+
+
+def stop_now(run: Run, stop: StopSignal) -> None:
+    """Stopped inside a step: checkpoint the last finished step (unless it is on disk) and say how to resume."""
+    # Rank 0 decides (a checkpoint is one directory); every rank must take part in the save or none.
+    on_disk = run.acc.is_main_process and (run.ckpt_root / f"step-{run.step}").exists()
+    if run.step > 0 and not global_sum(run.acc, float(on_disk)):
+        save_checkpoint(run)
+    where = f"checkpoints/step-{run.step}" if run.step else "no checkpoint (no step finished)"
+    log.info(f"stopped by signal {stop.signum} during step {run.step + 1}, which was abandoned: {where}; "
+             "re-run the same command to resume")
 
 
 class TokenRate:
@@ -259,13 +245,6 @@ def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int
         return [batching.collate_packed(g[rank * mb:(rank + 1) * mb], pad_id, flat=layout == "flat")
                 for g in global_batches]
     return [batching.collate(g[rank * mb:(rank + 1) * mb], pad_id) for g in global_batches]
-
-
-def global_sum(accelerator, value: float) -> float:
-    if accelerator.num_processes == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=accelerator.device)
-    return float(accelerator.reduce(t, reduction="sum").item())
 
 
 def plan_steps(recipe: Recipe, examples: list, world: int, layout: str | None) -> tuple[int, int]:

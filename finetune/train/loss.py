@@ -12,6 +12,7 @@ from accelerate.utils import extract_model_from_parallel
 
 from finetune.data import encode
 from finetune.plan.attention import uses_cpu_math_kernel
+from finetune.train.device import to_device
 from finetune.train.distributed import autocast
 
 
@@ -52,7 +53,7 @@ def loss_totals(model, batches, device_type: str, train_spec, max_batches=None, 
         if max_batches and i >= max_batches:
             break
         if device is not None:
-            b = {k: v.to(device) for k, v in b.items()}
+            b = to_device(b, device)
         with batch_kernels(b, device_type, train_spec):
             loss, n = token_loss_sum(model, b, device_type, train_spec)
         total, count = total + float(loss), count + n

@@ -27,18 +27,33 @@ def resolve_name(name: str) -> str:
 
 
 def resolve_attention(requested: str, quiet: bool = False) -> str:
-    """The attention implementation this machine runs for `requested`: flash_attention_2 needs CUDA and the
-    flash-attn package, SDPA (same math) stands in otherwise, with one line saying why unless `quiet`."""
+    """The attention implementation this machine runs for `requested`: flash_attention_2 needs the
+    flash-attn package, importable, and CUDA; SDPA (same math) stands in otherwise, with one line saying
+    why unless `quiet`. The package is checked before the device, so the CPU harness runs the same checks."""
     if requested != "flash_attention_2":
         return requested
     import importlib.util
 
-    if torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None:
+    if importlib.util.find_spec("flash_attn") is None:
+        why = "flash-attn is not installed"
+    elif (broken := _flash_attn_import_error()) is not None:
+        why = f"flash-attn is installed but fails to import: {broken}"
+    elif not torch.cuda.is_available():
+        why = "no CUDA device"
+    else:
         return requested
-    why = "no CUDA device" if not torch.cuda.is_available() else "flash-attn is not installed"
     if not quiet:
         log.info(f"attention: flash_attention_2 -> sdpa ({why})")
     return "sdpa"
+
+
+def _flash_attn_import_error() -> str | None:
+    # A wheel built for another torch or CUDA is found but fails at import ("undefined symbol ...").
+    try:
+        import flash_attn  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure means: do not use it
+        return (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return None
 
 
 def bnb_config(q: QuantizationSpec, model_dtype: str):

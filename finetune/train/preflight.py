@@ -37,7 +37,11 @@ def cuda_facts() -> tuple[int, bool, int | None]:
 
     if not torch.cuda.is_available():
         return 0, False, None
-    return torch.cuda.device_count(), torch.cuda.is_bf16_supported(), torch.cuda.get_device_properties(0).total_memory
+    from finetune.train.device import bf16_native
+
+    # Not torch.cuda.is_bf16_supported(): it is True on a T4 (7.5) too, where bf16 is emulated and slow.
+    return (torch.cuda.device_count(), bf16_native(torch.cuda.get_device_capability(0)),
+            torch.cuda.get_device_properties(0).total_memory)
 
 
 def model_problems(r: Recipe) -> tuple[list[Problem], object]:
@@ -88,7 +92,9 @@ def code_problems(r: Recipe) -> list[Problem]:
 def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
     out: list[Problem] = []
     m, d = r.model, r.distributed
-    needs_gpu_info = launched or m.attn_implementation == "flash_attention_2" or d.backend == "nccl"
+    # Training has torch loaded already (asking is cheap then); `validate` asks only when it must.
+    needs_gpu_info = (launched or m.attn_implementation == "flash_attention_2" or d.backend == "nccl"
+                      or "torch" in sys.modules)
     count, bf16_ok, _ = cuda_facts() if needs_gpu_info else (None, None, None)
     if m.attn_implementation == "flash_attention_2":
         if importlib.util.find_spec("flash_attn") is None or not count:
@@ -105,10 +111,11 @@ def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
             out.append(Problem(level="error", path="distributed.num_processes",
                                message=f"{local} processes on this machine but only {count} GPU(s)",
                                fix=f"launch at most {count} processes per machine"))
-        if r.train.mixed_precision == "bf16" and not bf16_ok:
-            out.append(Problem(level="error", path="train.mixed_precision",
-                               message="this GPU has no bf16 (pre-Ampere)",
-                               fix="set train.mixed_precision: fp16 and quantization.compute_dtype: float16"))
+    if count and r.train.mixed_precision == "bf16" and not bf16_ok:
+        out.append(Problem(level="error", path="train.mixed_precision",
+                           message="this GPU has no native bf16 (compute capability below 8.0, e.g. T4, V100)",
+                           fix="set train.mixed_precision: fp16, quantization.compute_dtype: float16, model.dtype: "
+                               "float32 and lora.dtype: float32 (fp16 trains with loss scaling)"))
     if launched and not count and d.strategy == "fsdp" and (r.fsdp.cpu_ram_efficient_loading or r.fsdp.sync_module_states):
         out.append(Problem(level="error", path="fsdp.cpu_ram_efficient_loading",
                            message="no GPU: Accelerate's FSDP plugin cannot broadcast module states (rank-0 loading) "

@@ -69,9 +69,9 @@ CASES = [
     # --- process layout
     ("processes_do_not_divide_over_machines", FSDP, {"distributed": {"strategy": "fsdp", "num_processes": 3,
      "num_machines": 2}}, [], {}, "distributed.num_processes", "error"),
-    ("single_strategy_many_processes", BASE, {"distributed": {"num_processes": 4}}, [], {},
+    ("single_strategy_many_processes", BASE, {"distributed": {"strategy": "single", "num_processes": 4}}, [], {},
      "distributed.num_processes", "error"),
-    ("single_strategy_many_machines", BASE, {"distributed": {"num_machines": 2}}, [], {},
+    ("single_strategy_many_machines", BASE, {"distributed": {"strategy": "single", "num_machines": 2}}, [], {},
      "distributed.num_machines", "error"),
     ("warmup_longer_than_training", BASE, {"train": {"max_steps": 10, "warmup_steps": 10}}, [], {},
      "train.warmup_steps", "error"),
@@ -96,7 +96,8 @@ CASES = [
      "error"),
     ("deepspeed_launcher", FSDP, {}, [], {"ACCELERATE_USE_DEEPSPEED": "true", "WORLD_SIZE": "2"},
      "distributed.strategy", "error"),
-    ("single_recipe_under_torchrun", BASE, {}, [], {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
+    ("single_recipe_under_torchrun", BASE, {"distributed": {"strategy": "single"}}, [],
+     {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"},
      "distributed.strategy", "error"),
     # --- memory fit (planner)
     ("micro_batch_does_not_fit", BASE, {"train": {"micro_batch_size": 16}, "data": {"max_seq_len": 4096}},

@@ -1,0 +1,211 @@
+"""The branches a GPU run takes, executed on CPU (docs/gpu_paths.md lists each with its test): fp16 loss
+scaling, inputs moved to where the model lives, a GPU that is present but unusable, a broken flash-attn
+install, bf16 advice by compute capability, CUDA RNG restore with fewer GPUs."""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec, TrainSpec, load
+from finetune.train.device import bf16_native, cuda_unusable_reason, model_device, restore_cuda_rng
+from finetune.train.distributed import autocast
+from finetune.train.scaling import LossScaler
+
+from ..conftest import ROOT
+
+FP16 = TrainSpec(mixed_precision="fp16")
+
+
+def fp16_model():
+    from finetune.train.lora import apply_lora
+    from finetune.train.model import load_model
+
+    model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(compute_dtype="float16"), quiet=True)
+    return apply_lora(model, LoraSpec(r=8, alpha=16, dropout=0.0), seed=0)
+
+
+def lora_b_grads_after(scaler: LossScaler, factor: float) -> torch.Tensor:
+    """Backward of `factor` x the LM loss under fp16 autocast through `scaler`; the lora_B gradients."""
+    model = fp16_model()
+    model.train()
+    ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    with autocast(FP16, "cpu"):
+        loss = model(input_ids=ids, labels=ids).loss
+    scaler.scale(loss * factor).backward()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    scaler.unscale(opt)
+    return torch.cat([p.grad.flatten() for n, p in model.named_parameters() if "lora_B" in n])
+
+
+def test_fp16_loss_scaling_keeps_gradients_that_underflow_unscaled():
+    # A loss 2^-26 times the LM loss: its gradients sit below fp16's smallest subnormal (2^-24) inside the
+    # half-precision backward. Side by side, same model, same batch:
+    factor = 2.0 ** -26
+    unscaled = lora_b_grads_after(LossScaler("no", "cpu", sharded=False), factor)
+    scaled = lora_b_grads_after(LossScaler("fp16", "cpu", sharded=False), factor)
+    assert int((unscaled != 0).sum()) == 0  # every LoRA gradient flushed to zero
+    assert int((scaled != 0).sum()) > 0.5 * scaled.numel()  # scaled: kept, and divided back out
+    assert torch.isfinite(scaled).all() and scaled.abs().max() < 1e-3
+
+
+def test_fp16_inf_step_is_skipped_counted_and_logged(caplog):
+    layer = torch.nn.Linear(4, 4)
+    before = layer.weight.detach().clone()
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = LossScaler("fp16", "cpu", sharded=False)
+    scaler.scale(layer(torch.ones(1, 4)).sum() * float("inf")).backward()
+    scaler.unscale(opt)
+    with caplog.at_level(logging.WARNING, logger="finetune"):
+        assert scaler.step(opt, step=7) is False
+    assert scaler.skipped == 1 and torch.equal(layer.weight, before)
+    assert "fp16: step 7 skipped (inf/nan gradients" in caplog.text
+    # A finite step afterwards updates the weights and is not counted.
+    opt.zero_grad()
+    scaler.scale(layer(torch.ones(1, 4)).sum()).backward()
+    scaler.unscale(opt)
+    assert scaler.step(opt, step=8) is True and scaler.skipped == 1 and not torch.equal(layer.weight, before)
+
+
+def test_fp16_run_counts_skipped_steps_in_metrics(tmp_path, monkeypatch, capsys):
+    """The loop's own scaler, started at a loss scale that overflows fp16 (2^40): every step of the run is
+    skipped, counted in metrics.jsonl and logged, and the adapter never moves."""
+    from finetune.train import step as step_mod
+    from finetune.train.loop import train
+
+    monkeypatch.setattr(step_mod, "LossScaler", functools.partial(LossScaler, init_scale=2.0 ** 40))
+    r = load(ROOT / "recipes" / "tiny_cpu.yaml",
+             ["train.mixed_precision=fp16", "quantization.compute_dtype=float16", "train.max_steps=2",
+              "train.warmup_steps=1", "train.log_every=1", "train.micro_batch_size=2", "data.eval_sources=[]",
+              "data.sources=[{path: 'builtin:tiny-instruct', max_samples: 16}]", "output.progress_bar=false",
+              f"output.dir={tmp_path / 'run'}"])
+    out = train(r, tmp_path / "run")
+    assert out["skipped_steps"] == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["skipped_steps"] for x in rows if "loss" in x] == [1, 2]
+    assert "fp16: step 1 skipped" in capsys.readouterr().err
+    adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
+    assert all(not v.any() for k, v in adapter.items() if "lora_B" in k)  # B starts at zero and never stepped
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inputs go where the model lives
+
+
+class Reached(Exception):
+    pass
+
+
+class ModelElsewhere(torch.nn.Module):
+    """A model whose parameters live on another device than the CPU batches (the meta device): it records
+    the device of every tensor it is called with, then stops the caller (meta tensors hold no values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+        self.head = torch.nn.Linear(4, 4, device="meta")
+        self.seen: list[torch.device] = []
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def _record(self, **kwargs):
+        self.seen += [v.device for v in kwargs.values() if torch.is_tensor(v)]
+        raise Reached
+
+    def forward(self, **kwargs):
+        self._record(**kwargs)
+
+    def generate(self, **kwargs):
+        self._record(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from finetune.train.model import load_tokenizer
+
+    return load_tokenizer(ModelSpec())
+
+
+def _generate(model, tok):
+    from finetune.train.evaluate import greedy
+
+    greedy(model, tok, ["reverse: a b c"], max_new_tokens=2)
+
+
+def _eval_loss(model, tok):
+    from finetune.data.prepare import prepare
+    from finetune.train.evaluate import heldout_loss
+
+    # No autocast: torch has none for the meta device (a GPU run autocasts on "cuda", the model's device type).
+    r = load(ROOT / "recipes" / "tiny_cpu.yaml", ["data.sources=[{path: 'builtin:tiny-instruct', max_samples: 8}]",
+                                                  "train.mixed_precision=no"])
+    heldout_loss(model, prepare(r.data, tok).eval[:4], r)
+
+
+def _merge_check(model, tok):
+    from finetune.merge.check import _logits
+
+    _logits(model, tok, ["The quick brown fox"])
+
+
+@pytest.mark.parametrize("call", [_generate, _eval_loss, _merge_check], ids=["generate", "eval", "merge-check"])
+def test_inputs_are_moved_to_the_models_device(call, tok):
+    model = ModelElsewhere()
+    assert model_device(model).type == "meta"
+    with pytest.raises(Reached):
+        call(model, tok)
+    assert model.seen and {d.type for d in model.seen} == {"meta"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Devices
+
+
+def test_gpu_present_but_unusable_is_refused_with_the_reason(monkeypatch):
+    from finetune.recipe import DistributedSpec, FsdpSpec
+    from finetune.train import device, distributed
+    from finetune.util.errors import RecipeError
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert not torch.cuda.is_available()  # this harness: no usable CUDA
+    assert cuda_unusable_reason(nodes=[]) is None  # no GPU installed: CPU training is the plan
+    why = cuda_unusable_reason(nodes=["/dev/nvidia0"])
+    assert "/dev/nvidia0" in why and "Fix:" in why
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
+    assert cuda_unusable_reason(nodes=["/dev/nvidia0"]) is None  # hidden on purpose
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    # make_accelerator stops (exit 2 through RecipeError) instead of training on the CPU.
+    monkeypatch.setattr(device, "gpu_device_nodes", lambda: ["/dev/nvidia0"])
+    with pytest.raises(RecipeError, match="GPU is installed"):
+        distributed.make_accelerator(DistributedSpec(strategy="single"), FsdpSpec(), TrainSpec(), "float32")
+
+
+def test_broken_flash_attn_falls_back_to_sdpa_with_the_reason(tmp_path, monkeypatch, capsys):
+    from finetune.train.model import resolve_attention
+    from finetune.util.log import log
+
+    pkg = tmp_path / "flash_attn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c10')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(__import__("sys").modules, "flash_attn", raising=False)
+    assert log.name == "finetune"
+    assert resolve_attention("flash_attention_2") == "sdpa"
+    line = capsys.readouterr().out
+    assert "flash-attn is installed but fails to import: flash_attn_2_cuda.so: undefined symbol" in line
+
+
+def test_bf16_advice_keys_on_compute_capability():
+    assert not bf16_native((7, 5))  # T4: torch.cuda.is_bf16_supported() says True (emulated)
+    assert not bf16_native((7, 0)) and not bf16_native(None)
+    assert bf16_native((8, 0)) and bf16_native((9, 0))
+
+
+def test_cuda_rng_restore_without_cuda_restores_nothing():
+    # With CUDA it restores min(saved, visible) devices (the GPU check covers that); here: no crash.
+    assert restore_cuda_rng([torch.ByteTensor(16)] * 4) == 0
