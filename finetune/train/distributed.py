@@ -78,8 +78,9 @@ def fsdp_plugin_kwargs(fsdp: FsdpSpec, model_dtype: str, on_cpu: bool) -> dict:
     else:
         kw["auto_wrap_policy"] = "size_based_wrap"
         kw["min_num_params"] = fsdp.min_num_params
-    # On CPU the parameters already live in CPU RAM; offloading would only add pinned-memory copies,
-    # which need a device.
+    # CPU-only (physical): offload copies parameters between host and accelerator memory; on CPU they
+    # already live in host RAM, and torch 2.13 raises "Cannot access accelerator device when none is
+    # available" for FSDP1 and FSDP2 offload alike (measured). docs/gpu_paths.md.
     kw["cpu_offload"] = fsdp.cpu_offload and not on_cpu
     if v1:
         sync = fsdp.sync_module_states if fsdp.sync_module_states is not None else fsdp.cpu_ram_efficient_loading

@@ -29,25 +29,24 @@ def fp16_model():
     return apply_lora(model, LoraSpec(r=8, alpha=16, dropout=0.0), seed=0)
 
 
-def lora_b_grads_after(scaler: LossScaler, factor: float) -> torch.Tensor:
+def lora_b_grads_after(model, scaler: LossScaler, factor: float) -> torch.Tensor:
     """Backward of `factor` x the LM loss under fp16 autocast through `scaler`; the lora_B gradients."""
-    model = fp16_model()
-    model.train()
-    ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    model.zero_grad(set_to_none=True)
+    ids = torch.randint(3, 200, (2, 8), generator=torch.Generator().manual_seed(0))
     with autocast(FP16, "cpu"):
         loss = model(input_ids=ids, labels=ids).loss
     scaler.scale(loss * factor).backward()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    scaler.unscale(opt)
+    scaler.unscale(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0))
     return torch.cat([p.grad.flatten() for n, p in model.named_parameters() if "lora_B" in n])
 
 
 def test_fp16_loss_scaling_keeps_gradients_that_underflow_unscaled():
     # A loss 2^-26 times the LM loss: its gradients sit below fp16's smallest subnormal (2^-24) inside the
     # half-precision backward. Side by side, same model, same batch:
-    factor = 2.0 ** -26
-    unscaled = lora_b_grads_after(LossScaler("no", "cpu", sharded=False), factor)
-    scaled = lora_b_grads_after(LossScaler("fp16", "cpu", sharded=False), factor)
+    model, factor = fp16_model(), 2.0 ** -26
+    model.train()
+    unscaled = lora_b_grads_after(model, LossScaler("no", "cpu", sharded=False), factor)
+    scaled = lora_b_grads_after(model, LossScaler("fp16", "cpu", sharded=False), factor)
     assert int((unscaled != 0).sum()) == 0  # every LoRA gradient flushed to zero
     assert int((scaled != 0).sum()) > 0.5 * scaled.numel()  # scaled: kept, and divided back out
     assert torch.isfinite(scaled).all() and scaled.abs().max() < 1e-3
@@ -209,3 +208,40 @@ def test_bf16_advice_keys_on_compute_capability():
 def test_cuda_rng_restore_without_cuda_restores_nothing():
     # With CUDA it restores min(saved, visible) devices (the GPU check covers that); here: no crash.
     assert restore_cuda_rng([torch.ByteTensor(16)] * 4) == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preemption under torchrun: workers are killed ~30 s after SIGTERM, so the flag is read per micro-batch
+
+
+def test_stop_between_micro_batches_abandons_the_step_and_checkpoints_the_last(tmp_path, capsys):
+    import os
+    import signal
+
+    from finetune.train import checkpoint
+    from finetune.train.loop import train
+
+    forwards = []
+
+    def preempt_in_step_2(module, args, output):
+        if type(module).__name__ == "LlamaForCausalLM":
+            forwards.append(1)
+            if len(forwards) == 6:  # step 2's second of 4 micro-batches
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    r = load(ROOT / "recipes" / "tiny_cpu.yaml",
+             ["train.max_steps=4", "train.warmup_steps=1", "train.log_every=1", "train.micro_batch_size=2",
+              "train.gradient_accumulation_steps=4", "train.save_every=10", "data.eval_sources=[]",
+              "data.sources=[{path: 'builtin:tiny-instruct', max_samples: 64}]", "output.progress_bar=false",
+              f"output.dir={tmp_path / 'run'}"])
+    handle = torch.nn.modules.module.register_module_forward_hook(preempt_in_step_2)
+    try:
+        out = train(r, tmp_path / "run")
+    finally:
+        handle.remove()
+    assert out["stopped"] and out["step"] == 1 and len(forwards) == 6  # no further forward after the signal
+    assert "during step 2, which was abandoned: checkpoints/step-1;" in capsys.readouterr().out
+    state = checkpoint.verify(tmp_path / "run" / "checkpoints" / "step-1", 1)
+    # The position is the end of step 1 (4 micro-batches), not where step 2 was cut off (6): resuming
+    # replays step 2 whole.
+    assert state["step"] == 1 and state["data"] == {"epoch": 0, "cursor": 4}
