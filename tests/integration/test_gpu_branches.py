@@ -245,3 +245,15 @@ def test_stop_between_micro_batches_abandons_the_step_and_checkpoints_the_last(t
     # The position is the end of step 1 (4 micro-batches), not where step 2 was cut off (6): resuming
     # replays step 2 whole.
     assert state["step"] == 1 and state["data"] == {"epoch": 0, "cursor": 4}
+
+
+def test_gloo_backend_on_gpus_is_refused_with_the_fix(monkeypatch):
+    from finetune.recipe import DistributedSpec, FsdpSpec
+    from finetune.train import distributed
+    from finetune.util.errors import RecipeError
+
+    # The device check comes first and builds nothing, so the GPU side of it runs here.
+    monkeypatch.setattr(distributed, "has_accelerator_device", lambda: True)
+    with pytest.raises(RecipeError, match="Fix: use distributed.backend: auto"):
+        distributed.make_accelerator(DistributedSpec(strategy="single", backend="gloo"), FsdpSpec(), TrainSpec(),
+                                     "float32")

@@ -30,11 +30,12 @@ def test_fsdp1_mapping_turns_device_broadcast_off_on_cpu_only():
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
-    spec = FsdpSpec(version=1, backward_prefetch="BACKWARD_POST", auto_wrap_policy="size", min_num_params=1000)
+    spec = FsdpSpec(version=1, backward_prefetch="BACKWARD_POST", auto_wrap_policy="size", min_num_params=1000,
+                    cpu_offload=True)
     cpu = D.fsdp_plugin_kwargs(spec, "float32", on_cpu=True)
     gpu = D.fsdp_plugin_kwargs(spec, "float32", on_cpu=False)
-    assert (cpu["sync_module_states"], cpu["cpu_ram_efficient_loading"]) == (False, False)
-    assert (gpu["sync_module_states"], gpu["cpu_ram_efficient_loading"]) == (True, True)
+    assert (cpu["sync_module_states"], cpu["cpu_ram_efficient_loading"], cpu["cpu_offload"]) == (False, False, False)
+    assert (gpu["sync_module_states"], gpu["cpu_ram_efficient_loading"], gpu["cpu_offload"]) == (True, True, True)
     assert cpu["auto_wrap_policy"] == "size_based_wrap" and cpu["min_num_params"] == 1000
     plugin = FullyShardedDataParallelPlugin(**cpu)  # with sync on, the plugin raises "no available devices"
     assert plugin.reshard_after_forward == ShardingStrategy.FULL_SHARD

@@ -31,3 +31,21 @@ def test_every_field_is_documented_with_its_default():
     assert "| `lora.r` | int (>= 1, <= 4096) | `16` |" in page
     assert "| `model.revision` | str / null | `null` |" in page
     assert "| `data.sources[].path` | str | `(required)` |" in page
+
+
+def test_gpu_paths_rows_name_existing_tests():
+    """docs/gpu_paths.md: every row names the CPU test that executes it, and that test exists."""
+    import re
+
+    rows = [line for line in (ROOT / "docs" / "gpu_paths.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| ") and not line.startswith("| Where")]
+    assert len(rows) >= 10
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 6, row
+        named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", cells[4])
+        assert named, f"no CPU test named in: {row}"
+        for path, name in named:
+            source = (ROOT / path).read_text(encoding="utf-8")
+            assert re.search(rf"^def {name}\(", source, re.M), f"{path}::{name} (docs/gpu_paths.md) does not exist"
+        assert cells[5], f"no GPU check named in: {row}"
