@@ -139,3 +139,34 @@ def test_fsdp1_config_uses_the_sharding_strategy_name():
     fc = launcher.accelerate_config(r)["fsdp_config"]
     assert fc["fsdp_reshard_after_forward"] == "SHARD_GRAD_OP" and fc["fsdp_use_orig_params"] is True
     assert yaml.safe_load(yaml.safe_dump(fc)) == fc
+
+
+def test_launcher_default_precision_is_no_conflict_but_an_explicit_one_is(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    bf16 = from_dict({})  # train.mixed_precision: bf16
+    # `accelerate launch` without a config sets ACCELERATE_MIXED_PRECISION=no: the recipe decides.
+    assert launcher.launcher_problems(bf16, {"ACCELERATE_MIXED_PRECISION": "no"}) == []
+    [p] = launcher.launcher_problems(bf16, {"ACCELERATE_MIXED_PRECISION": "fp16"})
+    assert p.level == "error" and p.path == "train.mixed_precision" and "mixed_precision: bf16" in p.fix
+
+
+def test_strategy_auto_follows_the_process_count(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    one = from_dict({})
+    assert (one.distributed.strategy, one.distributed.from_auto) == ("single", True)
+    assert from_dict({"distributed": {"num_processes": 2}}).distributed.strategy == "fsdp"
+    assert from_dict({}, world=4).distributed.strategy == "fsdp"
+    explicit = from_dict({"distributed": {"strategy": "single"}})
+    assert (explicit.distributed.strategy, explicit.distributed.from_auto) == ("single", False)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under a launcher
+    auto = from_dict({})
+    assert auto.distributed.strategy == "fsdp" and auto.fsdp.version == 2
+    # accelerate's default multi-GPU launch (no FSDP config): fine for auto, a conflict for an explicit fsdp.
+    env = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "ACCELERATE_MIXED_PRECISION": "no"}
+    assert launcher.launcher_problems(auto, env) == []
+    explicit_fsdp = from_dict({"distributed": {"strategy": "fsdp"}})
+    assert "distributed.strategy" in paths(launcher.launcher_problems(explicit_fsdp, env))
+    # `accelerate-config --gpus 2` plans the FSDP run for an auto recipe.
+    monkeypatch.delenv("WORLD_SIZE")
+    r = load(ROOT / "recipes" / "tiny_cpu.yaml", world=2)
+    assert launcher.accelerate_config(r, 2)["distributed_type"] == "FSDP"
