@@ -28,10 +28,15 @@ def _launched(env) -> bool:
     return any(k in env for k in LAUNCH_VARS)
 
 
+def gpu_nodes_present() -> bool:
+    """An NVIDIA or ROCm device node exists (a GPU is installed, whether or not torch can use it)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
+
+
 def cuda_facts() -> tuple[int, bool, int | None]:
     """(device count, bf16 supported, memory of device 0 in bytes). torch is imported (seconds) only when it
     already is, or when an NVIDIA or ROCm device node exists: on machines without GPUs validate stays quick."""
-    if "torch" not in sys.modules and not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd"):
+    if "torch" not in sys.modules and not gpu_nodes_present():
         return 0, False, None
     import torch
 
@@ -102,6 +107,13 @@ def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
             out.append(Problem(level="warning", path="model.attn_implementation",
                                message=f"flash_attention_2 requested but {why}: training falls back to sdpa",
                                fix="set model.attn_implementation: sdpa (or install flash-attn on a CUDA machine)"))
+    if not count and gpu_nodes_present():
+        from finetune.train.device import cuda_unusable_reason
+
+        why = cuda_unusable_reason()
+        if why:  # training would stop here too (make_accelerator); say it before any weights load
+            message, _, fix = why.partition(". Fix: ")
+            out.append(Problem(level="error", path="device", message=message, fix=fix))
     if d.backend == "nccl" and not count:
         out.append(Problem(level="error", path="distributed.backend", message="nccl needs CUDA GPUs and none is "
                            "visible", fix="set distributed.backend: auto (gloo on CPU)"))

@@ -257,3 +257,14 @@ def test_gloo_backend_on_gpus_is_refused_with_the_fix(monkeypatch):
     with pytest.raises(RecipeError, match="Fix: use distributed.backend: auto"):
         distributed.make_accelerator(DistributedSpec(strategy="single", backend="gloo"), FsdpSpec(), TrainSpec(),
                                      "float32")
+
+
+def test_validate_names_an_unusable_gpu_before_any_weights_load(monkeypatch):
+    from finetune.train import device, preflight
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(preflight, "gpu_nodes_present", lambda: True)
+    monkeypatch.setattr(device, "gpu_device_nodes", lambda: ["/dev/nvidia0"])
+    problems = preflight.preflight(load(ROOT / "recipes" / "tiny_cpu.yaml"), env={}, launched=False)
+    [p] = [p for p in problems if p.path == "device"]
+    assert p.level == "error" and "/dev/nvidia0" in p.message and "CUDA_VISIBLE_DEVICES=-1" in p.fix
