@@ -137,14 +137,16 @@ def read_yaml(path: str | os.PathLike) -> dict:
 
 
 def resolve_auto_strategy(data: dict, world: int | None = None) -> bool:
-    """`distributed.strategy: auto` (the default) -> single for one process, fsdp for several, in place;
+    """`distributed.strategy: auto` (the default) -> single for one process, fsdp for several, in `data`
+    (its `distributed` section is replaced by a resolved copy);
     True when it was auto. The count: distributed.num_processes, else `world`, else the launcher's
     WORLD_SIZE, else distributed.num_machines (1 when not launched)."""
     dist = data.get("distributed")
     if dist is None:
-        dist = data["distributed"] = {}
+        dist = {}
     if not isinstance(dist, dict) or dist.get("strategy", "auto") != "auto":
         return False
+    dist = data["distributed"] = dict(dist)  # a copy: the caller's dict is left as it was
     try:
         n = int(dist.get("num_processes") or world or os.environ.get("WORLD_SIZE") or dist.get("num_machines") or 1)
     except (TypeError, ValueError):
