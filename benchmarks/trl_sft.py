@@ -30,10 +30,11 @@ DIFFERENCES = [
     "TRL's adapters in fp32.",
     "Data order: each shuffles with its own sampler (finetune: `data.shuffle_seed` and the epoch; TRL: "
     "the Trainer's seeded RandomSampler). The rows are the same; the seed sets both tools' order.",
-    "Per-step work: SFTTrainer computes entropy and token accuracy of every step (its fused LM head) and "
-    "reduces them to Python floats; finetune computes the loss over trained positions only and logs it.",
-    "Loss kernel: SFTTrainer's fused LM head computes log-probabilities from the full-vocabulary logits of "
-    "every position; finetune runs the head and the fp32 loss on trained positions only.",
+    "Loss and per-step metrics: SFTTrainer's fused LM head projects the hidden states through the head in "
+    "chunks (on CPU every position, masking afterwards; on CUDA with Triton only trained ones) under bf16 "
+    "autocast and computes log-probabilities, entropy and top-1 of each, then reduces entropy and token "
+    "accuracy to Python floats every step; finetune runs the head and an fp32 loss on trained positions only "
+    "and logs the loss.",
     "Attention kernel: finetune picks SDPA's math kernel for short CPU bf16 batches "
     "(`finetune.plan.attention`); SFTTrainer leaves the choice to torch.",
     "End of run: finetune writes a final checkpoint (adapter + optimizer state) and the adapter; "
