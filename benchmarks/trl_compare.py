@@ -101,7 +101,9 @@ def section(r: dict) -> list[str]:
         f"linear layers, `{r['recipe']['optimizer']}` (bitsandbytes; on CPU neither pages), "
         f"lr {r['recipe']['learning_rate']} {r['recipe']['lr_scheduler']} with {r['recipe']['warmup_steps']} "
         f"warm-up steps, micro-batch {r['recipe']['micro_batch_size']}, clip {r['recipe']['max_grad_norm']}, "
-        f"bf16 autocast. Seeds {r['seeds']} (model seed and data order); each run a fresh interpreter, the arms "
+        f"bf16 autocast, gradient checkpointing {'on' if r['recipe']['gradient_checkpointing'] else 'off'} on "
+        f"both (the recipe's; SFTConfig's default is on), padding to the longest row of each micro-batch, "
+        f"the last partial micro-batch dropped. Seeds {r['seeds']} (model seed and data order); each run a fresh interpreter, the arms "
         "alternating in order seed by seed. Tokens/s: trained tokens (labels != -100 after the shift) over "
         f"the steps after the first {r['window']}. Peak RSS: the run's VmHWM. Held-out loss and exact match: "
         "one scorer (finetune's `eval`: base + saved adapter) for every adapter.", "",
