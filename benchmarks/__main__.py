@@ -23,7 +23,7 @@ ROWS = {
     "estimate_error": ({}, {}, 600),
     "checkpointing": ({"reps": 5, "warmup": 5, "steps": 10}, {"reps": 1, "warmup": 2, "steps": 2}, 900),
     "startup": ({"first_step_reps": 3, "validate_reps": 5}, {"first_step_reps": 1, "validate_reps": 1}, 600),
-    "trl_sft": ({"seeds": [1, 2, 3], "steps": 200}, {"seeds": [1], "steps": 4, "window": 2}, 1200),
+    "trl_sft": ({"seeds": [1, 2, 3], "steps": 150}, {"seeds": [1], "steps": 4, "window": 2}, 1200),
 }
 DEFAULT_OUT = common.ROOT / "benchmarks" / "RESULTS.md"
 

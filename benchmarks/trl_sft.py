@@ -7,7 +7,7 @@ the arms alternating in order from one seed to the next. Then one scorer (finetu
 exact match, base + saved adapter) scores every adapter. The third arm is the ablation of the largest
 difference that stays: SFTTrainer with its adapters kept in fp32, as finetune keeps them.
 
-    python -m benchmarks.trl_sft [--seeds 1,2,3] [--steps 200] [--window 20]
+    python -m benchmarks.trl_sft [--seeds 1,2,3] [--steps 150] [--window 20]
 """
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def summarise(samples: dict, checks: dict, seeds: list[int], steps: int, window:
             "recipe": numbers, "differences": DIFFERENCES, "trl_version": trl_pkg.__version__}
 
 
-def run(seeds: tuple = (1, 2, 3), steps: int = 200, window: int = 20, arms: tuple = tuple(ARMS),
+def run(seeds: tuple = (1, 2, 3), steps: int = 150, window: int = 20, arms: tuple = tuple(ARMS),
         check_batches: int = 20, timeout: float = 900, threads: int | None = None) -> dict:
     if importlib.util.find_spec("trl") is None:
         return {"available": False, "reason": "trl is not installed (it is a finetune dependency: "
@@ -179,7 +179,7 @@ def run(seeds: tuple = (1, 2, 3), steps: int = 200, window: int = 20, arms: tupl
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="1,2,3")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--window", type=int, default=20)
     ap.add_argument("--arms", default=",".join(ARMS))
     a = ap.parse_args()
