@@ -14,7 +14,9 @@ _OPS = {">=": operator.ge, "<": operator.lt, "<=": operator.le}
 # other figures worth a key of their own in the JSON summary: key -> (row, key in that row)
 EXTRA = {"checkpointing_step_time_ratio": ("checkpointing", "step_time_ratio"),
          "checkpointing_flops_ratio": ("checkpointing", "flops_ratio"),
-         "first_step_s": ("startup", "first_step_s"), "validate_70b_s": ("startup", "validate_70b_s")}
+         "first_step_s": ("startup", "first_step_s"), "validate_70b_s": ("startup", "validate_70b_s"),
+         "trl_tokens_per_s_ratio": ("trl_sft", "tokens_per_s_ratio"), "trl_peak_rss_ratio": ("trl_sft", "peak_rss_ratio"),
+         "trl_loss_not_worse": ("trl_sft", "loss_not_worse")}
 LOADED = 0.5  # load average per core above which timings are flagged as taken under load
 
 
@@ -105,8 +107,15 @@ def summary_table(results: dict) -> str:
              "| 6 | time to first step, tiny recipe | "
              + _row_cell(rows, "startup", lambda: f"**{_f(s['first_step_s'])} s**") + " | - | |",
              "| 6 | `validate` of the 70B recipe | "
-             + _row_cell(rows, "startup", lambda: f"**{_f(s['validate_70b_s'])} s**") + " | - | |"]
+             + _row_cell(rows, "startup", lambda: f"**{_f(s['validate_70b_s'])} s**") + " | - | |",
+             "| 7 | finetune / TRL SFTTrainer: tokens/s, peak RSS; held-out loss not worse | "
+             + _row_cell(rows, "trl_sft", lambda: trl_cell(rows["trl_sft"])) + " | >= 1.1, <= 1.0, yes | |"]
     return "\n".join(lines)
+
+
+def trl_cell(r: dict) -> str:
+    return (f"**{_f(r['tokens_per_s_ratio'])}x**, **{_f(r['peak_rss_ratio'])}x**, "
+            f"**{'yes' if r['loss_not_worse'] else 'no'}**")
 
 
 def header(results: dict) -> str:

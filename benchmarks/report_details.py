@@ -132,12 +132,19 @@ def startup(r: dict) -> list[str]:
             f"| validate, 70B recipe | {_f(r['validate_70b_s'])} s | {_samples(s['validate_70b_s'], 3)} |"]
 
 
+def trl_sft(r: dict) -> list[str]:
+    from benchmarks.trl_compare import section
+
+    return section(r)
+
+
 SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("packing", "## 2. Packing", packing),
             ("merge_rss", "## 3. Merge memory", merge_rss),
             ("estimate_error", "## 4. Memory planner against measurement", estimate_error),
             ("checkpointing", "## 5. Gradient checkpointing", checkpointing),
-            ("startup", "## 6. Startup", startup)]
+            ("startup", "## 6. Startup", startup),
+            ("trl_sft", "## 7. Against TRL's SFTTrainer", trl_sft)]
 
 
 def sections(rows: dict) -> list[str]:

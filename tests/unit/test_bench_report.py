@@ -27,6 +27,7 @@ ROWS = {
                                 for m, f, r, n in (("off", 480.0, 400, "4N"), ("on", 710.0, 600, "6N"))}},
     "startup": {"first_step_s": 9.5, "validate_70b_s": 1.2, "samples": {"first_step_s": [9.5],
                                                                           "validate_70b_s": [1.2]}},
+    "trl_sft": {"available": False, "reason": "trl is not installed"},  # its own figures: test_bench_trl.py
 }
 
 
