@@ -189,7 +189,7 @@ def optimizer_step(run: Run) -> tuple[float, torch.Tensor | None, float]:
     loss_total = 0.0
     for b in micro:
         with batch_kernels(b, device_type, t):
-            loss_sum, _ = token_loss_sum(run.model, b, device_type, t)
+            loss_sum, _ = token_loss_sum(run.model, b, device_type, t, run.recipe.model.activation_offloading)
             # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
             acc.backward(loss_sum * acc.num_processes / step_tokens)
         loss_total += loss_sum.item()

@@ -14,6 +14,7 @@ from finetune.data import encode
 from finetune.plan.attention import uses_cpu_math_kernel
 from finetune.plan.logits import chunk_rows
 from finetune.train.distributed import autocast
+from finetune.train.offload import offload_context
 
 # Config fields of models whose forward changes the logits after the output head (Gemma 2 soft-capping,
 # Cohere's logit scale, Granite's divisor): the head's result is not the logits there, so those models
@@ -21,7 +22,8 @@ from finetune.train.distributed import autocast
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[torch.Tensor, int]:
+def token_loss_sum(model, batch: dict, device_type: str, train_spec,
+                   activation_offload: bool = False) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over trained tokens, and their count.
 
     Summing (not averaging) per micro-batch lets the caller divide by the tokens of the whole optimizer
@@ -29,7 +31,8 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[to
 
     The output head runs only on the positions whose next token is trained, in chunks of rows whose
     logits are recomputed in backward (`chunked_head_loss`): [tokens x vocab] logits never exist at once.
-    Callers run it, and its backward, inside `batch_kernels`."""
+    With `activation_offload` (model.activation_offloading, CUDA) the forward runs under
+    finetune.train.offload. Callers run it, and its backward, inside `batch_kernels`."""
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     keep = torch.zeros_like(labels, dtype=torch.bool)
@@ -38,11 +41,12 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[to
     base = extract_model_from_parallel(model)
     if chunkable(base):
         with head_computes_loss(base, keep, targets, train_spec.loss_chunk_tokens) as called, \
-                autocast(train_spec, device_type):
+                autocast(train_spec, device_type), offload_context(model, activation_offload):
             loss = model(**inputs, use_cache=False).logits  # the head returned the summed loss
         _check_head_called(base, called)
         return loss, targets.numel()
-    with trained_rows_only(model, keep), autocast(train_spec, device_type):
+    with trained_rows_only(model, keep), autocast(train_spec, device_type), \
+            offload_context(model, activation_offload):
         logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
     if logits.dim() != 2 or logits.size(0) != targets.numel():
         _check_head_called(base, [])
