@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from finetune.plan.archs import Arch
 from finetune.plan.attention import uses_cpu_math_kernel
-from finetune.plan.logits import chunked_loss_bytes, full_logits_bytes
+from finetune.plan.logits import chunked_loss_bytes, full_logits_bytes, transformers_loss_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
 MP_BYTES = {"bf16": 2, "fp16": 2, "no": 4}
@@ -92,7 +92,7 @@ def head_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
     autocast copy of a head stored wider than the compute dtype and the fp32 log-probabilities."""
     t, h, v = batch * seq, arch.hidden, arch.vocab
     saved = t * h * 4 + t * 4 + t * 8
-    if s.chunked_loss:
+    if s.loss == "chunked":
         return saved + t * h * DTYPE_BYTES[s.model_dtype] + t * 4
     return saved + _cast_head(arch, s) + t * v * 4
 
@@ -107,7 +107,9 @@ def loss_working_bytes(arch: Arch, s, tokens: int) -> int:
     trained (the bound for data with no masked prompt): one chunk's working set, the hidden states'
     gradient and a transient compute-dtype copy of a wider head; or the full logits' buffers."""
     cb = MP_BYTES[s.mixed_precision]
-    if not s.chunked_loss:
+    if s.loss == "transformers":
+        return transformers_loss_bytes(tokens, arch.vocab) - tokens * arch.vocab * 4
+    if s.loss == "full":
         return full_logits_bytes(tokens, arch.vocab, cb) - tokens * arch.vocab * 4
     rb = DTYPE_BYTES[s.model_dtype]
     path = chunked_loss_bytes(tokens, arch.vocab, arch.hidden, cb, s.loss_chunk_tokens, rb)

@@ -54,7 +54,9 @@ class Setup:
     low_cpu_mem_usage: bool = True
     checkpointing: bool = True
     activation_offload: bool = False  # checkpointed layer inputs in pinned CPU memory (GPU only)
-    chunked_loss: bool = True  # train.loss's chunked head; False plans full [tokens x vocab] logits
+    # the loss path (plan.logits): "chunked" (train.loss), "full" (cross_entropy on all logits at once) or
+    # "transformers" (the model's own labels= loss, as the Trainer and TRL ran it)
+    loss: str = "chunked"
     loss_chunk_tokens: int = 0  # 0: automatic (finetune.plan.logits.chunk_rows)
     attn: str = "sdpa"
     device: str = "cuda"  # "cpu" plans a CPU run (no CUDA context; CPU dropout keeps a full-width mask)

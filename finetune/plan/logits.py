@@ -14,12 +14,18 @@ def chunk_rows(vocab: int, chunk_tokens: int = 0) -> int:
 
 
 def full_logits_bytes(tokens: int, vocab: int, compute_bytes: int) -> int:
-    """Peak of the full-logits loss (today's transformers path): the logits in the compute dtype, their
-    fp32 copy and the fp32 log-probabilities cross_entropy saves, then in backward the fp32 gradient of
-    the log-probabilities beside them and its compute-dtype cast."""
-    fp32 = tokens * vocab * 4
-    half = tokens * vocab * compute_bytes if compute_bytes != 4 else 0
-    return half + 3 * fp32 + half
+    """Peak of a full-logits loss, cross_entropy(logits.float()): it comes in backward, where the fp32
+    log-probabilities cross_entropy saved, their incoming gradient and the gradient of the logits are
+    alive together (the compute-dtype logits and their fp32 copy never overlap all three; measured on
+    CPU by benchmarks/loss_memory.py). `compute_bytes` does not change it."""
+    return 3 * tokens * vocab * 4
+
+
+def transformers_loss_bytes(tokens: int, vocab: int) -> int:
+    """Peak of transformers' own causal-LM loss as trainers called it (model(..., labels=...), the
+    Trainer/TRL path up to transformers 4.44): the model's output keeps the logits upcast to fp32 while the
+    loss runs `full_logits_bytes` on a shifted copy, so one more fp32 [tokens x vocab] is alive."""
+    return 4 * tokens * vocab * 4
 
 
 def chunked_loss_bytes(tokens: int, vocab: int, hidden: int, compute_bytes: int, chunk_tokens: int = 0,

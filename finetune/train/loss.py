@@ -164,6 +164,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
                     grad_w += g_c.t().float() @ x.float()
                 if need_b:
                     grad_b += g_c.float().sum(0)
+                del g_c  # before the next chunk's logits exist
         return (grad_h, grad_w.to(weight.dtype) if need_w else None,
                 grad_b.to(bias.dtype) if need_b else None, None, None, None)
 
