@@ -14,6 +14,7 @@ from finetune.plan.logits import chunked_loss_bytes, full_logits_bytes, transfor
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
 MP_BYTES = {"bf16": 2, "fp16": 2, "no": 4}
+LEAN_TYPES = {"llama", "mistral", "qwen2"}  # model types whose norms and MLPs finetune.train.lean replaces
 PREFETCHED_LAYERS = 2  # activation offloading: the layer input being used and the one copied in ahead
 
 
@@ -51,6 +52,11 @@ def shared_lora_inputs(arch: Arch, s, t: int, names: set) -> int:
     return sum(max(0, len(g & names) - 1) for g in groups) * t * arch.hidden * cb
 
 
+def lean(arch: Arch, s) -> bool:
+    """Whether finetune.train.lean's norms and MLPs run (Setup.lean_modules, Llama-style models)."""
+    return s.lean_modules and arch.model_type in LEAN_TYPES
+
+
 def mlp_bytes(s) -> int:
     """Bytes per element of the MLP's intermediate activations. On CUDA, autocast runs peft's adapter in
     the compute dtype, so base + adapter outputs stay half precision; on CPU peft computes the adapter in
@@ -62,7 +68,11 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
     """Bytes autograd keeps for one decoder layer (no checkpointing)."""
     t, h, i = batch * seq, arch.hidden, arch.intermediate
     cb = MP_BYTES[s.mixed_precision]
-    total = arch.norms_per_layer * (t * h * 4 + t * 4)  # RMSNorm upcasts to fp32 and keeps it + rsqrt
+    if lean(arch, s):
+        # finetune.train.lean: each norm keeps its input; the first one's is the checkpointed layer input
+        total = (arch.norms_per_layer - (1 if s.checkpointing else 0)) * t * h * DTYPE_BYTES[s.model_dtype]
+    else:
+        total = arch.norms_per_layer * (t * h * 4 + t * 4)  # RMSNorm upcasts to fp32 and keeps it + rsqrt
     names = {x.name for x in targeted(arch, s.lora_targets)}
     for x in arch.linears():
         if x.name in names:
@@ -80,7 +90,8 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
             total += batch * arch.heads * seq * seq * (4 + cb)
         total += t * (2 * q + 2 * kv) * cb + batch * arch.heads * seq * 4  # q, k, v, output + logsumexp
     inter = t * arch.experts_per_tok if arch.experts else t
-    total += inter * i * mlp_bytes(s) * (3 if arch.gated_mlp() else 1)  # act input, act output and up (gated)
+    # act input, act output and up (gated); lean MLPs recompute the act output
+    total += inter * i * mlp_bytes(s) * ((2 if lean(arch, s) else 3) if arch.gated_mlp() else 1)
     if arch.experts:
         total += t * arch.experts * 4 * 2  # router logits and softmax
     return total
@@ -91,7 +102,8 @@ def head_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
     chunked loss's copy of the trained rows' hidden states and their log-sum-exp, or (full logits) the
     autocast copy of a head stored wider than the compute dtype and the fp32 log-probabilities."""
     t, h, v = batch * seq, arch.hidden, arch.vocab
-    saved = t * h * 4 + t * 4 + t * 8
+    norm = t * h * DTYPE_BYTES[s.model_dtype] if lean(arch, s) else t * h * 4 + t * 4
+    saved = norm + t * 8
     if s.loss == "chunked":
         return saved + t * h * DTYPE_BYTES[s.model_dtype] + t * 4
     return saved + _cast_head(arch, s) + t * v * 4
@@ -119,7 +131,7 @@ def loss_working_bytes(arch: Arch, s, tokens: int) -> int:
 def first_layer_discount(arch: Arch, s, tokens: int) -> int:
     """The first layer's input (the frozen embedding's output) needs no gradient, so its input norm and
     the dropout on the attention projections it feeds save nothing."""
-    saved = tokens * arch.hidden * 4 + tokens * 4
+    saved = tokens * arch.hidden * DTYPE_BYTES[s.model_dtype] if lean(arch, s) else tokens * arch.hidden * 4 + tokens * 4
     if s.lora_dropout > 0:
         mask = 1 if s.device == "cuda" else DTYPE_BYTES[s.lora_dtype]
         attn_in = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"}

@@ -57,6 +57,7 @@ class Setup:
     # the loss path (plan.logits): "chunked" (train.loss), "full" (cross_entropy on all logits at once) or
     # "transformers" (the model's own labels= loss, as the Trainer and TRL ran it)
     loss: str = "chunked"
+    lean_modules: bool = True  # finetune.train.lean's norms and MLPs (other stacks: false)
     loss_chunk_tokens: int = 0  # 0: automatic (finetune.plan.logits.chunk_rows)
     attn: str = "sdpa"
     device: str = "cuda"  # "cpu" plans a CPU run (no CUDA context; CPU dropout keeps a full-width mask)

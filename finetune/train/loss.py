@@ -13,6 +13,7 @@ from accelerate.utils import extract_model_from_parallel
 from finetune.data import encode
 from finetune.plan.attention import uses_cpu_math_kernel
 from finetune.plan.logits import chunk_rows
+from finetune.train import lean
 from finetune.train.distributed import autocast
 from finetune.train.offload import offload_context
 
@@ -39,6 +40,9 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec,
     keep[:, :-1] = labels[:, 1:] != encode.IGNORE  # position t predicts token t + 1
     targets = labels[:, 1:][keep[:, :-1]]
     base = extract_model_from_parallel(model)
+    if not getattr(base, "_finetune_lean", False):  # once per model: memory-lean norms and MLPs
+        lean.apply(base)
+        base._finetune_lean = True
     if chunkable(base):
         with head_computes_loss(base, keep, targets, train_spec.loss_chunk_tokens) as called, \
                 autocast(train_spec, device_type), offload_context(model, activation_offload):
