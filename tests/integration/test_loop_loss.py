@@ -181,3 +181,26 @@ def test_lean_norms_and_mlps_give_the_stock_loss_and_gradients(tiny_model_dir):
     # (on this model fp32 rounding anywhere moves adapter gradients ~1e-4: see the chunked-loss test above)
     assert worst <= 2e-4 and len(grads) == 4 * 7 * 2, worst
     assert lean_saved < saved
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_each_lean_module_is_the_stock_one_bit_for_bit(amp):
+    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
+
+    from finetune.train import lean
+
+    torch.manual_seed(0)
+    for module in (LlamaRMSNorm(64), LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=128))):
+        module.requires_grad_(False)
+        x = torch.randn(8, 64, requires_grad=True)
+        outs, grads = [], []
+        for step in ("stock", "lean"):
+            if step == "lean":
+                assert lean.apply(module) == 1
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                y = module(x)
+            y.backward(torch.ones_like(y) * torch.linspace(-1, 1, y.size(-1), dtype=y.dtype))
+            outs.append(y.detach())
+            grads.append(x.grad)
+            x.grad = None
+        assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1]), type(module).__name__
