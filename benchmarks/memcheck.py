@@ -32,8 +32,12 @@ def build_model(r: int = 16, dropout: float = 0.05):
     bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(tiny.model_dir(), quantization_config=bnb, dtype=torch.float32)
+    from finetune.train import lean
+
     cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
+    model = get_peft_model(model, cfg)
+    lean.apply(model)  # the training loss runs these (finetune.train.loss)
+    return model
 
 
 def _quant_state_tensors(qs) -> list:
@@ -157,7 +161,7 @@ def planned(model, r: int, dropout: float, batch: int = 1, seq: int = 32, checkp
     arch = from_config(model.config.to_dict(), "builtin:tiny-llama")
     s = E.Setup(model="builtin:tiny-llama", seq_len=seq, micro_batch=batch, lora_r=r, lora_dropout=dropout,
                 lora_dtype="float32", model_dtype="float32", quant_storage="float32", optimizer="adamw_8bit",
-                checkpointing=checkpointing, device="cpu")
+                checkpointing=checkpointing, device="cpu", loss="transformers")  # measured: model(labels=...)
     return E.build(s, arch, "model config")
 
 

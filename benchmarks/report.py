@@ -16,7 +16,8 @@ EXTRA = {"checkpointing_step_time_ratio": ("checkpointing", "step_time_ratio"),
          "checkpointing_flops_ratio": ("checkpointing", "flops_ratio"),
          "first_step_s": ("startup", "first_step_s"), "validate_70b_s": ("startup", "validate_70b_s"),
          "trl_tokens_per_s_ratio": ("trl_sft", "tokens_per_s_ratio"), "trl_peak_rss_ratio": ("trl_sft", "peak_rss_ratio"),
-         "trl_loss_not_worse": ("trl_sft", "loss_not_worse")}
+         "trl_loss_not_worse": ("trl_sft", "loss_not_worse"),
+         "loss_memory_ratio": ("loss_memory", "loss_memory_ratio")}
 LOADED = 0.5  # load average per core above which timings are flagged as taken under load
 
 
@@ -88,7 +89,8 @@ def summary_table(results: dict) -> str:
         cell = _row_cell(rows, GOALS[key][0], lambda: f"**{_f(v['value'])}** {extra()}")
         return f"| {n} | {label} (`{key}`) | {cell} | {v['goal']} | {mark[v['met']]} |"
 
-    t, p, m, c, s = (rows.get(k, {}) for k in ("throughput", "packing", "merge_rss", "checkpointing", "startup"))
+    t, p, m, c, s, lm = (rows.get(k, {}) for k in ("throughput", "packing", "merge_rss", "checkpointing", "startup",
+                                                    "loss_memory"))
     lines = ["| # | measure | result | goal | |", "|---|---|---|---|---|",
              goal_line(1, "throughput_ratio", "finetune loop / plain loop, trained tokens/s",
                        lambda: f"({_f(t.get('finetune_tokens_per_s'), 4)} vs {_f(t.get('plain_tokens_per_s'), 4)})"),
@@ -109,7 +111,10 @@ def summary_table(results: dict) -> str:
              "| 6 | `validate` of the 70B recipe | "
              + _row_cell(rows, "startup", lambda: f"**{_f(s['validate_70b_s'])} s**") + " | - | |",
              "| 7 | finetune / TRL SFTTrainer: tokens/s, peak RSS; held-out loss not worse | "
-             + _row_cell(rows, "trl_sft", lambda: trl_cell(rows["trl_sft"])) + " | >= 1.1, <= 1.0, yes | |"]
+             + _row_cell(rows, "trl_sft", lambda: trl_cell(rows["trl_sft"])) + " | >= 1.1, <= 1.0, yes | |",
+             "| 8 | loss path peak bytes, full logits / chunked (128k vocab, 4096 tokens) | "
+             + _row_cell(rows, "loss_memory", lambda: f"**{_f(lm['loss_memory_ratio'])}x** (chunked planned "
+                         f"within {_f(100 * abs(lm['chunked']['plan_error']), 2)}%)") + " | - | |"]
     return "\n".join(lines)
 
 

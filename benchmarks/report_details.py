@@ -138,13 +138,30 @@ def trl_sft(r: dict) -> list[str]:
     return section(r)
 
 
+def loss_memory(r: dict) -> list[str]:
+    c, f = r["chunked"], r["full"]
+    mib = 2**20
+    return [f"Peak bytes of the loss path (output head + cross-entropy, forward and backward) at {r['tokens']} "
+            f"trained tokens with a {r['vocab']:,}-token vocabulary, precision `{r['precision']}`, on CPU: "
+            "finetune's chunked loss (train.loss) against full logits, each in a fresh process, measured as "
+            "the growth of its peak resident set (benchmarks/loss_memory.py), beside the planner's figure "
+            "(finetune/plan/logits.py).", "",
+            "| loss | measured | planned | plan error |", "|---|---|---|---|",
+            f"| chunked | {_f(c['measured_bytes'] / mib, 4)} MiB | {_f(c['planned_bytes'] / mib, 4)} MiB | "
+            f"{_f(100 * c['plan_error'], 2)}% |",
+            f"| full logits | {_f(f['measured_bytes'] / mib, 4)} MiB | {_f(f['planned_bytes'] / mib, 4)} MiB | "
+            f"{_f(100 * f['plan_error'], 2)}% |", "",
+            f"Full / chunked: **{_f(r['loss_memory_ratio'])}x**; same loss: {r['same_loss']}."]
+
+
 SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("packing", "## 2. Packing", packing),
             ("merge_rss", "## 3. Merge memory", merge_rss),
             ("estimate_error", "## 4. Memory planner against measurement", estimate_error),
             ("checkpointing", "## 5. Gradient checkpointing", checkpointing),
             ("startup", "## 6. Startup", startup),
-            ("trl_sft", "## 7. Against TRL's SFTTrainer", trl_sft)]
+            ("trl_sft", "## 7. Against TRL's SFTTrainer", trl_sft),
+            ("loss_memory", "## 8. Loss memory", loss_memory)]
 
 
 def sections(rows: dict) -> list[str]:

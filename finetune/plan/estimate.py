@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from finetune.plan.activations import DTYPE_BYTES, MP_BYTES, activation_terms, targeted
 from finetune.plan.archs import Arch, resolve
-from finetune.plan.attention import uses_cpu_math_kernel
+from finetune.plan.pinned import fsdp_offload_bytes
 from finetune.util.units import GiB, fmt
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
-MP_BYTES = {"bf16": 2, "fp16": 2, "no": 4}
 CUDA_CONTEXT = GiB // 2  # CUDA context, kernels and cuBLAS workspace: not visible to torch's allocator
 NCCL_BUFFERS = GiB // 4  # communicator buffers once there is more than one process
 FRAGMENTATION = 0.10  # caching-allocator slack on top of what tensors occupy
@@ -55,6 +53,12 @@ class Setup:
     cpu_ram_efficient_loading: bool = True
     low_cpu_mem_usage: bool = True
     checkpointing: bool = True
+    activation_offload: bool = False  # checkpointed layer inputs in pinned CPU memory (GPU only)
+    # the loss path (plan.logits): "chunked" (train.loss), "full" (cross_entropy on all logits at once) or
+    # "transformers" (the model's own labels= loss, as the Trainer and TRL ran it)
+    loss: str = "chunked"
+    lean_modules: bool = True  # finetune.train.lean's norms and MLPs (other stacks: false)
+    loss_chunk_tokens: int = 0  # 0: automatic (finetune.plan.logits.chunk_rows)
     attn: str = "sdpa"
     device: str = "cuda"  # "cpu" plans a CPU run (no CUDA context; CPU dropout keeps a full-width mask)
 
@@ -78,6 +82,7 @@ def from_recipe(recipe) -> Setup:
                  fsdp_version=f.version, sharding=f.sharding_strategy, reshard_after_forward=f.reshard_after_forward,
                  offload=f.cpu_offload and d.strategy == "fsdp", cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
                  low_cpu_mem_usage=m.low_cpu_mem_usage, checkpointing=m.gradient_checkpointing,
+                 activation_offload=m.activation_offloading, loss_chunk_tokens=t.loss_chunk_tokens,
                  attn=m.attn_implementation)
 
 
@@ -99,13 +104,6 @@ def quant_constant_bytes(numel: int, double_quant: bool, blocksize: int = 64) ->
     if not double_quant:
         return blocks * 4 + code
     return blocks + (-(-blocks // 256)) * 4 + 4 + code
-
-
-def targeted(arch: Arch, targets) -> list:
-    if targets == "all-linear":
-        return arch.linears()
-    wanted = set(targets)
-    return [x for x in arch.linears() if x.name in wanted]
 
 
 def lora_tensor_sizes(arch: Arch, s: Setup) -> list[int]:
@@ -149,91 +147,6 @@ def optimizer_terms(arch: Arch, s: Setup, shard: int) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Activations
-
-
-def lora_linear_saved(tokens: int, d_in: int, d_out: int, r: int, s: Setup) -> int:
-    """Saved for backward by one LoRA-wrapped 4-bit linear. The frozen 4-bit matmul keeps only the weight;
-    the adapter path keeps the dropout mask, the compute-dtype input of A, the input of B and the
-    autocast copies of A and B."""
-    cb = MP_BYTES[s.mixed_precision]
-    total = tokens * d_in * cb + tokens * r * cb
-    if s.lora_dropout > 0:
-        # CUDA's fused dropout keeps a bool mask; CPU keeps a mask of the (adapter-cast) input's dtype.
-        # (peft casts the input to the adapter dtype first when it sees no CUDA autocast, as on CPU).
-        total += tokens * d_in * (1 if s.device == "cuda" else DTYPE_BYTES[s.lora_dtype])
-    if DTYPE_BYTES[s.lora_dtype] != cb:
-        total += r * (d_in + d_out) * cb
-    return total
-
-
-def layer_saved_bytes(arch: Arch, s: Setup, batch: int, seq: int) -> int:
-    """Bytes autograd keeps for one decoder layer (no checkpointing)."""
-    t, h, i = batch * seq, arch.hidden, arch.intermediate
-    ab = DTYPE_BYTES[s.model_dtype]  # residual stream dtype
-    cb = MP_BYTES[s.mixed_precision]
-    total = arch.norms_per_layer * (t * h * 4 + t * 4)  # RMSNorm upcasts to fp32 and keeps it + rsqrt
-    names = {x.name for x in targeted(arch, s.lora_targets)}
-    for x in arch.linears():
-        if x.name in names:
-            n_tok = t * arch.experts_per_tok // x.count if x.count > 1 else t  # routed tokens per expert
-            total += lora_linear_saved(n_tok, x.d_in, x.d_out, s.lora_r, s) * x.count
-    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
-    if s.attn == "sdpa" and uses_cpu_math_kernel(s.device, s.mixed_precision, s.seq_len):
-        # SDPA's math kernel (finetune.plan.attention) upcasts q, k and v (repeated to all heads) to fp32
-        # and keeps those with the fp32 probabilities, in place of the bf16 q, k, v and output
-        total += 3 * t * q * 4 + batch * arch.heads * seq * seq * 4
-    else:
-        if s.attn == "eager":
-            kv = q  # eager repeats K/V to all heads, then keeps fp32 probabilities and their cast copy
-            total += batch * arch.heads * seq * seq * (4 + cb)
-        total += t * (2 * q + 2 * kv) * cb + batch * arch.heads * seq * 4  # q, k, v, output + logsumexp
-    inter = t * arch.experts_per_tok if arch.experts else t
-    total += inter * i * ab * (3 if arch.gated_mlp() else 1)  # act input, act output and up (gated)
-    if arch.experts:
-        total += t * arch.experts * 4 * 2  # router logits and softmax
-    return total
-
-
-def head_saved_bytes(arch: Arch, s: Setup, batch: int, seq: int) -> int:
-    t, h, v = batch * seq, arch.hidden, arch.vocab
-    cb = MP_BYTES[s.mixed_precision]
-    cast_head = v * h * cb if DTYPE_BYTES[s.model_dtype] != cb else 0  # autocast copy of the frozen lm_head
-    return t * h * 4 + t * 4 + cast_head + t * v * 4 + t * 8  # final norm, fp32 log-probs, targets
-
-
-def first_layer_discount(arch: Arch, s: Setup, tokens: int) -> int:
-    """The first layer's input (the frozen embedding's output) needs no gradient, so its input norm and
-    the dropout on the attention projections it feeds save nothing."""
-    saved = tokens * arch.hidden * 4 + tokens * 4
-    if s.lora_dropout > 0:
-        mask = 1 if s.device == "cuda" else DTYPE_BYTES[s.lora_dtype]
-        attn_in = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"}
-        n = sum(1 for x in targeted(arch, s.lora_targets) if x.name in attn_in)
-        if arch.model_type == "falcon":  # parallel attention: the MLP reads the same norm output
-            n += sum(1 for x in targeted(arch, s.lora_targets) if x.name == "dense_h_to_4h")
-        saved += n * tokens * arch.hidden * mask
-    return saved
-
-
-def activation_terms(arch: Arch, s: Setup) -> dict[str, int]:
-    b, L = s.micro_batch, s.seq_len
-    per_layer = layer_saved_bytes(arch, s, b, L)
-    rope = 2 * L * arch.head_dim * 4  # cos/sin tables, shared by all layers
-    if s.checkpointing:
-        held = arch.layers * b * L * arch.hidden * DTYPE_BYTES[s.model_dtype]  # each layer's input
-        layers = held + rope + per_layer  # plus one layer recomputed during backward
-    else:
-        held, layers = 0, arch.layers * per_layer + rope - first_layer_discount(arch, s, b * L)
-    # Logits and their fp32 upcast for the loss, planned for every position: the bound for data with no
-    # masked prompt. The loop runs the head on trained positions only (train.loss.trained_rows_only), so
-    # prompt-masked instruction data needs less.
-    logits_transient = b * L * arch.vocab * (MP_BYTES[s.mixed_precision] + 4)
-    return {"activations": layers, "logits_loss": head_saved_bytes(arch, s, b, L) + logits_transient,
-            "_held": held + rope, "_per_layer": per_layer, "_head_saved": head_saved_bytes(arch, s, b, L)}
-
-
-# ---------------------------------------------------------------------------------------------------
 # The plan
 
 
@@ -245,10 +158,22 @@ class Plan:
     breakdown: dict = field(default_factory=dict)  # GPU bytes per device, by category
     cpu: dict = field(default_factory=dict)  # CPU bytes per machine, by phase
     notes: list = field(default_factory=list)
+    overhead: dict = field(default_factory=dict)  # the parts of breakdown["framework_overhead"]
 
     @property
     def gpu_bytes_per_device(self) -> int:
+        """What the device shows in use (nvidia-smi): allocated + allocator slack + context (+ NCCL)."""
         return sum(self.breakdown.values())
+
+    @property
+    def allocated(self) -> int:
+        """Peak bytes of live tensors: what torch.cuda.max_memory_allocated() reports."""
+        return self.gpu_bytes_per_device - self.breakdown.get("framework_overhead", 0)
+
+    @property
+    def reserved(self) -> int:
+        """Peak bytes the caching allocator holds: torch.cuda.max_memory_reserved()."""
+        return self.allocated + self.overhead.get("allocator_slack", 0)
 
     @property
     def cpu_bytes_peak(self) -> int:
@@ -263,6 +188,8 @@ class Plan:
                 "cpu_bytes_peak": self.cpu_bytes_peak, "cpu_peak_phase": max(self.cpu, key=self.cpu.get),
                 "breakdown": dict(self.breakdown), "cpu_bytes": dict(self.cpu), "fits": self.fits(),
                 "gpu_memory": self.setup.gpu_memory, "params": self.arch.params(),
+                "gpu_bytes_allocated": self.allocated, "gpu_bytes_reserved": self.reserved,
+                "overhead": dict(self.overhead),
                 "trainable_params": sum(lora_tensor_sizes(self.arch, self.setup)), "notes": list(self.notes),
                 "setup": {k: v for k, v in asdict(self.setup).items()}}
 
@@ -286,6 +213,14 @@ def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
     return layers * per_layer + grads + w["unquantized"] - local
 
 
+def _embedding_on_cpu(arch: Arch, s: Setup) -> int:
+    """Activation offloading keeps an untied, unsharded input-embedding table in CPU memory
+    (finetune.train.offload.embeddings_to_cpu)."""
+    if not s.activation_offload or s.device != "cuda" or arch.tied or s.strategy == "fsdp":
+        return 0
+    return arch.vocab * arch.hidden * DTYPE_BYTES[s.model_dtype]
+
+
 def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     if arch is None:
         arch, source = resolve(s.model)
@@ -296,7 +231,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     bd = p.breakdown
     bd["base_4bit"] = on_gpu * -(-w["base_4bit"] // shard)
     bd["quant_constants"] = w["quant_constants"]  # bnb quant state is not a parameter: every rank holds it all
-    bd["unquantized"] = on_gpu * -(-w["unquantized"] // shard)
+    bd["unquantized"] = on_gpu * -(-(w["unquantized"] - _embedding_on_cpu(arch, s)) // shard)
     bd["lora"] = on_gpu * -(-w["lora"] // shard)
     grads = -(-w["lora"] // shard)
     bd["gradients"] = on_gpu * grads * (2 if s.strategy == "ddp" and s.world > 1 else 1)  # DDP buckets
@@ -310,11 +245,13 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     biggest = max(x.d_in * x.d_out for x in arch.linears())
     bd["dequant_workspace"] = biggest * MP_BYTES[s.mixed_precision] if s.quant != "none" else 0
     if s.device == "cuda":
-        bd["framework_overhead"] = int(FRAGMENTATION * sum(bd.values())) + CUDA_CONTEXT + \
-            (NCCL_BUFFERS if s.world > 1 else 0)
-    else:
-        bd["framework_overhead"] = 0
+        p.overhead = {"allocator_slack": int(FRAGMENTATION * sum(bd.values())), "cuda_context": CUDA_CONTEXT,
+                      "nccl": NCCL_BUFFERS if s.world > 1 else 0}
+    bd["framework_overhead"] = sum(p.overhead.values())
     p.cpu = cpu_phases(arch, s, w, opt, grads)
+    if s.activation_offload:
+        # pinned host copies of every layer input, per process, plus the embedding table kept on the CPU
+        p.cpu["training"] += s.per_machine * (act["_offloaded"] + _embedding_on_cpu(arch, s))
     _notes(p, w)
     return p
 
@@ -336,9 +273,10 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
     phases = {"loading": base + load}
     machine_share = s.per_machine / s.world
     if s.offload:
-        opt_total = (opt["optimizer_8bit"] + opt["optimizer_32bit"]) * s.world
-        sharded = quantized + w["lora"] + grads * s.world + opt_total
-        phases["training"] = base + int(sharded * machine_share)
+        # each process: its pinned parameter shards (and FSDP1's pinned gradient for every one of them)
+        # plus its optimizer state, which steps on the CPU
+        opt_rank = opt["optimizer_8bit"] + opt["optimizer_32bit"]
+        phases["training"] = base + procs * (_offloaded_params(arch, s, w) + opt_rank)
     else:
         phases["training"] = base
     opt_all = (opt["optimizer_8bit"] + opt["optimizer_32bit"]) * _shards(s)
@@ -346,6 +284,17 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
     # The streaming merge holds one bf16 input shard, its merged copy and the adapter.
     phases["merging"] = PROCESS_RAM + 2 * shard_bf16 + sum(lora_tensor_sizes(arch, s)) * 4
     return phases
+
+
+def _offloaded_params(arch: Arch, s: Setup, w: dict) -> int:
+    """Pinned host bytes of one process's parameter shards under fsdp.cpu_offload (plan.pinned)."""
+    per_layer = (w["base_4bit"] + w["lora"]) // arch.layers
+    units = [per_layer] * arch.layers + [w["unquantized"]]  # decoder layers, then the root
+    tensors = [packed_4bit_bytes(x.d_in * x.d_out, s.quant_storage) if s.quant in ("nf4", "fp4")
+               else x.d_in * x.d_out * DTYPE_BYTES[s.model_dtype]
+               for x in arch.linears() for _ in range(x.count)] * arch.layers
+    tensors += [arch.vocab * arch.hidden * DTYPE_BYTES[s.model_dtype]] * (1 if arch.tied else 2)
+    return fsdp_offload_bytes(units, tensors, w["lora"], _shards(s), s.fsdp_version)
 
 
 def _notes(p: Plan, w: dict):
@@ -367,7 +316,13 @@ def render(p: Plan) -> str:
              + (f" (FSDP{s.fsdp_version}{', cpu offload' if s.offload else ''})" if s.strategy == "fsdp" else "")
              + f", micro-batch {s.micro_batch} x seq {s.seq_len}, checkpointing {'on' if s.checkpointing else 'off'}",
              f"GPU memory per device: {fmt(p.gpu_bytes_per_device)}"]
-    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.breakdown.items()]
+    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.breakdown.items() if k != "framework_overhead"]
+    if s.device == "cuda":
+        o = p.overhead
+        lines += [f"  = peak allocated     {fmt(p.allocated):>12}  (torch.cuda.max_memory_allocated)",
+                  f"  + allocator slack    {fmt(o['allocator_slack']):>12}  (reserved {fmt(p.reserved)})",
+                  f"  + CUDA context{' + NCCL' if o['nccl'] else '':<7}{fmt(o['cuda_context'] + o['nccl']):>12}"
+                  f"  (not torch's; total {fmt(p.gpu_bytes_per_device)})"]
     phase = max(p.cpu, key=p.cpu.get)
     lines.append(f"CPU RAM per machine: {fmt(p.cpu_bytes_peak)} peak ({phase})")
     lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.cpu.items()]

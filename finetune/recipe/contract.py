@@ -122,6 +122,11 @@ def _precision_problems(r) -> list[Problem]:
         out.append(Problem(level="warning", path="quantization.quant_storage",
                            message=f"{q.quant_storage} storage only matters for FSDP; without it, it just differs "
                                    f"from model.dtype {m.dtype}", fix="leave quantization.quant_storage null"))
+    if m.activation_offloading and not m.gradient_checkpointing:
+        out.append(Problem(level="error", path="model.activation_offloading",
+                           message="offloads the layer inputs that gradient checkpointing keeps; with "
+                                   "checkpointing off every activation would cross PCIe twice per step",
+                           fix="set model.gradient_checkpointing: true, or activation_offloading: false"))
     if m.reentrant_checkpointing and not m.gradient_checkpointing:
         out.append(Problem(level="warning", path="model.reentrant_checkpointing",
                            message="has no effect with model.gradient_checkpointing off",

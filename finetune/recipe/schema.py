@@ -27,15 +27,25 @@ class ModelSpec(_Section):
     revision: str | None = None
     """Hub revision (branch, tag or commit) of the base model."""
     dtype: DType = "float32"
-    """Dtype of every non-quantized parameter (embeddings, norms, lm_head) and, by default, of the packed
-    4-bit storage. float32 is the fp32-preserving setup: FSDP gathers one dtype and never casts the 4-bit
-    storage; bf16 compute comes from autocast. bfloat16 halves those bytes but makes the adapters the only
-    fp32 tensors (fine for FSDP2, not for FSDP1)."""
+    """Dtype of every frozen non-quantized parameter (embeddings, norms, lm_head) and, by default, of the
+    packed 4-bit storage. Set it to the dtype the checkpoint ships in (bfloat16 for Llama 3, Mistral,
+    Qwen 2.5: every shipped GPU recipe does): nothing is cast down, since frozen weights never change and
+    bf16 weights stored in fp32 preserve nothing while costing 2 bytes more per parameter (2 GiB for Llama 3
+    8B's embeddings and head), and the residual stream then runs in bf16 like the compute. Adapters, their
+    gradients and optimizer state stay fp32 (`lora.dtype`) and buffers such as RoPE's inv_freq are kept
+    fp32 either way. FSDP2 shards per parameter and takes the mix; FSDP1 flattens one dtype per wrapped
+    module, so there it needs `lora.dtype` equal to this (or float32 here). float32 (the default for
+    `builtin:tiny-llama`, an fp32 checkpoint) is also what fp16 training needs."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel. flash_attention_2 falls back to sdpa (with a one-line notice) where flash-attn
     or a CUDA GPU is absent."""
     gradient_checkpointing: bool = True
     """Recompute activations in the backward pass: much less activation memory for ~30% more compute."""
+    activation_offloading: bool = False
+    """GPU only: move the activations autograd keeps (with checkpointing: each layer's input) to pinned
+    CPU memory during the forward pass and copy them back on a side stream ahead of the backward pass
+    that needs them. Saves about layers x tokens x hidden x 2 bytes of GPU memory for PCIe traffic;
+    `validate` refuses it on a machine without CUDA, where there is no device memory to save."""
     reentrant_checkpointing: bool = False
     """Use the reentrant checkpoint implementation. Off by default because the non-reentrant one works
     when the checkpointed inputs do not require grad (frozen 4-bit base + LoRA) without the
@@ -165,6 +175,11 @@ class TrainSpec(_Section):
     """Adam's denominator term, for numerical stability."""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     """Autocast dtype of the forward pass. Master weights and buffers stay in their stored dtype."""
+    loss_chunk_tokens: int = Field(0, ge=0)
+    """Trained positions per chunk of the output head and cross-entropy. The loss never holds the logits of
+    all positions: each chunk's logits are computed in the compute dtype, reduced to an fp32 log-sum-exp
+    and recomputed in backward. 0: automatic, so one chunk's fp32 logits take at most 256 MiB (523
+    positions for a 128,256-token vocabulary; all positions at once for a small vocabulary)."""
 
     @field_validator("mixed_precision", mode="before")
     @classmethod

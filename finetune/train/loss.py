@@ -1,6 +1,6 @@
 """The training loss, shared by the loop, `finetune eval` and the benchmarks: next-token cross-entropy
-summed over the trained tokens, the output head run on trained positions only, under the SDPA kernel that
-finetune.plan.attention's rule picks for the batch.
+summed over the trained tokens, the output head run on trained positions only and in chunks, under the
+SDPA kernel that finetune.plan.attention's rule picks for the batch.
 """
 from __future__ import annotations
 
@@ -12,31 +12,166 @@ from accelerate.utils import extract_model_from_parallel
 
 from finetune.data import encode
 from finetune.plan.attention import uses_cpu_math_kernel
+from finetune.plan.logits import chunk_rows
+from finetune.train import lean
 from finetune.train.device import to_device
 from finetune.train.distributed import autocast
+from finetune.train.offload import offload_context
+
+# Config fields of models whose forward changes the logits after the output head (Gemma 2 soft-capping,
+# Cohere's logit scale, Granite's divisor): the head's result is not the logits there, so those models
+# take the full-logits path.
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def token_loss_sum(model, batch: dict, device_type: str, train_spec) -> tuple[torch.Tensor, int]:
+def token_loss_sum(model, batch: dict, device_type: str, train_spec,
+                   activation_offload: bool = False) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over trained tokens, and their count.
 
     Summing (not averaging) per micro-batch lets the caller divide by the tokens of the whole optimizer
     step across all ranks, so micro-batch x accumulation x processes never changes the result.
 
-    The output head runs only on the positions whose next token is trained (see `trained_rows_only`):
-    prompt and padding positions never get logits, so neither their head matmul nor their fp32 upcast for
-    the loss is paid. Callers run it, and its backward, inside `batch_kernels`."""
+    The output head runs only on the positions whose next token is trained, in chunks of rows whose
+    logits are recomputed in backward (`chunked_head_loss`): [tokens x vocab] logits never exist at once.
+    With `activation_offload` (model.activation_offloading, CUDA) the forward runs under
+    finetune.train.offload. Callers run it, and its backward, inside `batch_kernels`."""
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != encode.IGNORE  # position t predicts token t + 1
-    with trained_rows_only(model, keep), autocast(train_spec, device_type):
-        logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
     targets = labels[:, 1:][keep[:, :-1]]
+    base = extract_model_from_parallel(model)
+    if not getattr(base, "_finetune_lean", False):  # once per model: memory-lean norms and MLPs
+        lean.apply(base)
+        base._finetune_lean = True
+    if chunkable(base):
+        with head_computes_loss(base, keep, targets, train_spec.loss_chunk_tokens) as called, \
+                autocast(train_spec, device_type), offload_context(model, activation_offload):
+            loss = model(**inputs, use_cache=False).logits  # the head returned the summed loss
+        _check_head_called(base, called)
+        return loss, targets.numel()
+    with trained_rows_only(model, keep), autocast(train_spec, device_type), \
+            offload_context(model, activation_offload):
+        logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
     if logits.dim() != 2 or logits.size(0) != targets.numel():
-        raise RuntimeError(f"{type(extract_model_from_parallel(model)).__name__} computed its logits without "
-                           "calling its output-embeddings module; finetune's loss needs that module")
+        _check_head_called(base, [])
     loss = F.cross_entropy(logits.float(), targets, reduction="sum")  # fp32 loss under bf16 autocast
     return loss, targets.numel()
+
+
+def _check_head_called(base, called: list):
+    if not called:
+        raise RuntimeError(f"{type(base).__name__} computed its logits without calling its output-embeddings "
+                           "module; finetune's loss needs that module")
+
+
+def chunkable(base) -> bool:
+    """Whether the output head's result is the model's logits, unchanged (see LOGIT_POSTPROCESSING), and
+    the head is a plain linear layer the chunked loss can run itself."""
+    cfg = getattr(base, "config", None)
+    if any(getattr(cfg, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
+        return False
+    head = base.get_output_embeddings()
+    return type(head) is torch.nn.Linear
+
+
+@contextlib.contextmanager
+def head_computes_loss(base, keep: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
+    """While active, the model's output head returns the summed cross-entropy of the hidden states at
+    `keep` ([B, T] bool) against `targets` instead of logits, computed chunk by chunk.
+
+    The head module is still *called* by the model's own forward (only its `forward` is swapped for the
+    instance): FSDP's hooks around the root (or around the head, if it is wrapped alone) gather its weight
+    before the call, and the loss is part of the wrapped module's output, so FSDP's pre-backward hook
+    re-gathers the weight before the chunks are recomputed in backward. Yields a list that is non-empty
+    once the head has run."""
+    head = base.get_output_embeddings()
+    called: list = []
+
+    def forward(hidden):
+        called.append(True)
+        rows = chunk_tokens or chunk_rows(head.out_features)
+        return chunked_head_loss(hidden[keep], head.weight, head.bias, targets, rows)
+
+    head.forward = forward
+    try:
+        yield called
+    finally:
+        del head.forward  # the class's forward again
+
+
+def chunked_head_loss(hidden, weight, bias, targets, rows: int) -> torch.Tensor:
+    """sum_i CE(hidden[i] @ weight.T + bias, targets[i]) over [N, h] `hidden`, `rows` rows at a time.
+
+    The matmul runs in the compute dtype (autocast's when it is on, else the inputs'), each chunk's
+    log-sum-exp in fp32, as the full-logits loss does. Nothing but the per-row log-sum-exp is saved
+    beyond the inputs: backward recomputes each chunk's logits."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = torch.result_type(hidden, weight)
+    return _ChunkedHeadCE.apply(hidden, weight, bias, targets, max(1, int(rows)), dtype)
+
+
+def _chunk_logits(x, w, bias, dtype):
+    out = x.to(dtype) @ w.t()
+    return out if bias is None else out + bias.to(dtype)
+
+
+class _ChunkedHeadCE(torch.autograd.Function):
+    """Chunked output head + cross-entropy with recomputation in backward. Peak working memory: one
+    chunk's logits in the compute dtype, its fp32 copy (turned in place into the softmax gradient) and
+    that gradient cast back to the compute dtype: rows x vocab x (compute bytes + 4) at most, 4 in fp32
+    (finetune.plan.logits.chunked_loss_bytes plans it)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, rows, dtype):
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)  # a no-op when the head is already stored in the compute dtype
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            lse = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+            for s in range(0, hidden.size(0), rows):
+                logits = _chunk_logits(hidden[s:s + rows], w, bias, dtype).float()
+                picked = logits.gather(1, targets[s:s + rows, None]).squeeze(1)
+                # log-sum-exp in place (torch.logsumexp would allocate two more chunk-sized buffers)
+                top = logits.amax(dim=-1, keepdim=True)
+                chunk_lse = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
+                lse[s:s + rows] = chunk_lse
+                total += (chunk_lse - picked).sum()
+                del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.rows, ctx.dtype = rows, dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        rows, dtype = ctx.rows, ctx.dtype
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        grad_b = torch.zeros_like(bias, dtype=torch.float32) if need_b else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)
+            for s in range(0, hidden.size(0), rows):
+                x = hidden[s:s + rows]
+                # softmax - one_hot(target), scaled by the incoming gradient, built in place in fp32
+                g = _chunk_logits(x, w, bias, dtype).float().sub_(lse[s:s + rows, None]).exp_()
+                idx = targets[s:s + rows, None]
+                g.scatter_add_(1, idx, torch.full(idx.shape, -1.0, dtype=g.dtype, device=g.device))
+                g.mul_(grad_total)
+                g_c = g.to(dtype)
+                del g
+                if need_h:
+                    grad_h[s:s + rows] = g_c @ w
+                if need_w:
+                    grad_w += g_c.t().float() @ x.float()
+                if need_b:
+                    grad_b += g_c.float().sum(0)
+                del g_c  # before the next chunk's logits exist
+        return (grad_h, grad_w.to(weight.dtype) if need_w else None,
+                grad_b.to(bias.dtype) if need_b else None, None, None, None)
 
 
 def trained_tokens(batch: dict) -> int:

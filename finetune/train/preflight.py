@@ -99,8 +99,15 @@ def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
     m, d = r.model, r.distributed
     # Training has torch loaded already (asking is cheap then); `validate` asks only when it must.
     needs_gpu_info = (launched or m.attn_implementation == "flash_attention_2" or d.backend == "nccl"
-                      or "torch" in sys.modules)
+                      or "torch" in sys.modules
+                      or m.activation_offloading)
     count, bf16_ok, _ = cuda_facts() if needs_gpu_info else (None, None, None)
+    if m.activation_offloading and not count:
+        # Offloading moves activations from device memory to pinned host memory; on a CPU run they are in
+        # host memory already, so it would only add copies (and pinning needs CUDA).
+        out.append(Problem(level="error", path="model.activation_offloading",
+                           message="activation offloading moves activations from GPU to CPU memory; this machine "
+                                   "has no CUDA GPU, so there is nothing to offload", fix="set it to false on CPU"))
     if m.attn_implementation == "flash_attention_2":
         if importlib.util.find_spec("flash_attn") is None or not count:
             why = "no CUDA GPU" if not count else "the flash-attn package is not installed"

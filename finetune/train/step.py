@@ -40,7 +40,7 @@ def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] |
     for i, b in enumerate(micro):
         last = i == len(micro) - 1
         with gradient_sync(run, last), batch_kernels(b, device_type, t):
-            loss_sum, _ = token_loss_sum(run.model, b, device_type, t)
+            loss_sum, _ = token_loss_sum(run.model, b, device_type, t, run.recipe.model.activation_offloading)
             # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
             acc.backward(run.scaler.scale(loss_sum * acc.num_processes / step_tokens))
         loss_total += loss_sum.item()

@@ -21,8 +21,10 @@ def setup(tiny_model_dir):
     rows = [{"prompt": f"reverse: {' '.join(['red', 'cat', 'sun', 'dog', 'fox'][: 1 + i % 5])}\n",
              "completion": " ".join(["dog", "fox", "owl"][: 1 + i % 3])} for i in range(6)]
     batch = B.collate([E.encode(r, "auto", tok, DataSpec()) for r in rows], tok.pad_token_id)
-    model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False), QuantizationSpec(),
-                       quiet=True)
+    # fp32 dequantization: with mixed_precision "no" nothing then rounds to bf16, so two correct
+    # computations of the same loss agree to fp32 rounding (bf16 matmuls would turn 1e-7 into 1e-3)
+    model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False),
+                       QuantizationSpec(compute_dtype="float32"), quiet=True)
     model = apply_lora(model, LoraSpec(r=8, dropout=0.0), seed=0)
     with torch.no_grad():  # non-zero adapters, so every LoRA tensor gets a gradient
         for n, p in model.named_parameters():
@@ -37,25 +39,33 @@ def lora_grads(model) -> dict:
     return out
 
 
-def test_head_on_trained_rows_gives_the_full_logits_loss_and_gradients(setup):
+@pytest.mark.parametrize("chunk", [0, 5])  # automatic (one chunk for this vocabulary), and 5 rows per chunk
+def test_chunked_head_on_trained_rows_gives_the_full_logits_loss_and_gradients(setup, chunk):
     from finetune.train.loss import token_loss_sum
 
     model, batch = setup
     labels = batch["labels"]
     trained = int((labels[:, 1:] != E.IGNORE).sum())
     assert 0 < trained < labels[:, 1:].numel() / 2  # prompts and padding dominate: the case this is for
+    assert chunk == 0 or trained > 3 * chunk  # several chunks, the last one partial
 
-    spec = TrainSpec(mixed_precision="no")  # fp32 throughout: both computations must agree to rounding
+    spec = TrainSpec(mixed_precision="no", loss_chunk_tokens=chunk)  # fp32: both must agree to rounding
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     logits = model(**inputs, use_cache=False).logits
     ref = F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
                           ignore_index=E.IGNORE, reduction="sum")
     ref.backward()
     ref_grads = lora_grads(model)
+    # The same loss with an fp64 softmax: how far fp32 rounding at the head alone moves the adapter
+    # gradients through the layers (~1e-4 relative on this model; the loss itself agrees to 1e-7).
+    logits = model(**inputs, use_cache=False).logits.double()
+    F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1),
+                    ignore_index=E.IGNORE, reduction="sum").backward()
+    exact = lora_grads(model)
 
     head = model.get_output_embeddings()
-    rows_seen = []
-    probe = head.register_forward_hook(lambda m, a, out: rows_seen.append(out.shape))
+    outputs = []
+    probe = head.register_forward_hook(lambda m, a, out: outputs.append(out))
     try:
         loss, n = token_loss_sum(model, batch, "cpu", spec)
     finally:
@@ -63,13 +73,50 @@ def test_head_on_trained_rows_gives_the_full_logits_loss_and_gradients(setup):
     loss.backward()
     grads = lora_grads(model)
 
-    assert rows_seen == [torch.Size([trained, head.out_features])]  # the head saw the trained rows only
-    assert not head._forward_pre_hooks  # and the row selection is gone once the forward is done
+    assert [o.shape for o in outputs] == [torch.Size([])]  # the head returned the loss, never logits
+    assert "forward" not in vars(head)  # and it is an ordinary head again once the forward is done
     assert n == trained
     assert float(loss.detach()) == pytest.approx(float(ref.detach()), rel=1e-5)
     assert grads.keys() == ref_grads.keys() and len(grads) == 4 * 7 * 2
-    for name, g in grads.items():
-        assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-7), name
+    def rel(a, b):  # per tensor: single elements can cancel to ~0
+        return float((a - b).norm() / b.norm())
+
+    # every adapter gradient at least as close to the fp64-softmax one as today's full-logits loss is
+    # (the chunked head itself matches to 1e-6: test_chunked_head_loss_matches_cross_entropy...)
+    assert max(rel(g, exact[k]) for k, g in grads.items()) <= max(rel(g, exact[k]) for k, g in ref_grads.items())
+    assert max(rel(g, ref_grads[k]) for k, g in grads.items()) <= 2e-4
+
+
+def test_chunked_head_loss_matches_cross_entropy_with_bias_and_trained_head():
+    # A head that trains (and has a bias) gets the full-logits gradients too, chunk by chunk.
+    from finetune.train.loss import chunked_head_loss
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 16, generator=g, requires_grad=True)
+    w = torch.randn(101, 16, generator=g, requires_grad=True)
+    b = torch.randn(101, generator=g, requires_grad=True)
+    t = torch.randint(0, 101, (37,), generator=g)
+    ref = F.cross_entropy(x @ w.t() + b, t, reduction="sum")
+    ref_grads = torch.autograd.grad(3 * ref, (x, w, b))
+    loss = chunked_head_loss(x, w, b, t, rows=5)
+    grads = torch.autograd.grad(3 * loss, (x, w, b))
+    assert float(loss) == pytest.approx(float(ref), rel=1e-5)
+    for got, want in zip(grads, ref_grads):
+        assert float((got - want).norm() / want.norm()) <= 1e-5
+
+
+def test_models_that_rescale_logits_take_the_full_logits_path(setup):
+    # Gemma 2 soft-caps the head's output: the head's result is not the logits there.
+    from finetune.train.loss import chunkable
+
+    model, _ = setup
+    base = model.get_base_model()
+    assert chunkable(base)
+    base.config.final_logit_softcapping = 30.0
+    try:
+        assert not chunkable(base)
+    finally:
+        base.config.final_logit_softcapping = None
 
 
 def saved_shapes(kernels, seq: int) -> list[tuple]:
@@ -98,3 +145,62 @@ def test_attention_kernels_pick_the_math_kernel_only_for_short_bf16_cpu_batches(
     # the math kernel keeps the [batch * heads, T, T] fp32 probabilities; the flash kernel keeps only a
     # per-row logsumexp
     assert ((2 * 4, seq, seq) in shapes) is math, shapes
+
+
+def test_lean_norms_and_mlps_give_the_stock_loss_and_gradients(tiny_model_dir):
+    # finetune.train.lean keeps less for backward and recomputes the rest with the modules' own forward:
+    # the same loss, the same adapter gradients up to summation order, and fewer bytes saved for backward.
+    from benchmarks.memcheck import SavedTensorMeter
+    from finetune.train import lean
+    from finetune.train.lora import apply_lora
+    from finetune.train.model import load_model
+
+    model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False),
+                       QuantizationSpec(compute_dtype="float32"), quiet=True)
+    model = apply_lora(model, LoraSpec(r=8, dropout=0.0), seed=0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        meter = SavedTensorMeter(model)
+        with meter():  # fp32: bf16 matmuls would turn summation-order differences (1e-7) into 1e-3
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return float(loss), lora_grads(model), meter.total
+
+    loss, grads, saved = run()
+    assert lean.apply(model) == 4 * 3 + 1  # two norms and one MLP in each of 4 layers, and the final norm
+    lean_loss, lean_grads, lean_saved = run()
+    assert lean_loss == loss  # the forward is the stock one
+    # backward differs from the stock graph only in the order gradients are summed into the residual
+    # stream (each module's own backward is bit for bit the stock one: its forward runs again under autograd)
+    worst = max(float((g - grads[k]).norm() / grads[k].norm()) for k, g in lean_grads.items())
+    # (on this model fp32 rounding anywhere moves adapter gradients ~1e-4: see the chunked-loss test above)
+    assert worst <= 2e-4 and len(grads) == 4 * 7 * 2, worst
+    assert lean_saved < saved
+
+
+@pytest.mark.parametrize("amp", [False, True])
+def test_each_lean_module_is_the_stock_one_bit_for_bit(amp):
+    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
+
+    from finetune.train import lean
+
+    torch.manual_seed(0)
+    for module in (LlamaRMSNorm(64), LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=128))):
+        module.requires_grad_(False)
+        x = torch.randn(8, 64, requires_grad=True)
+        outs, grads = [], []
+        for step in ("stock", "lean"):
+            if step == "lean":
+                assert lean.apply(module) == 1
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                y = module(x)
+            y.backward(torch.ones_like(y) * torch.linspace(-1, 1, y.size(-1), dtype=y.dtype))
+            outs.append(y.detach())
+            grads.append(x.grad)
+            x.grad = None
+        assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1]), type(module).__name__

@@ -28,6 +28,9 @@ ROWS = {
     "startup": {"first_step_s": 9.5, "validate_70b_s": 1.2, "samples": {"first_step_s": [9.5],
                                                                           "validate_70b_s": [1.2]}},
     "trl_sft": {"available": False, "reason": "trl is not installed"},  # its own figures: test_bench_trl.py
+    "loss_memory": {"tokens": 4096, "vocab": 128256, "precision": "no", "loss_memory_ratio": 23.1, "same_loss": True,
+                    "chunked": {"measured_bytes": 2.73e8, "planned_bytes": 2.70e8, "plan_error": -0.009, "loss": 1.0},
+                    "full": {"measured_bytes": 6.31e9, "planned_bytes": 6.30e9, "plan_error": -0.001, "loss": 1.0}},
 }
 
 
@@ -141,6 +144,8 @@ def test_main_writes_results_and_prints_json_last(monkeypatch, tmp_path, capsys)
     assert "## 1. Training loop throughput" in text
     assert "| finetune, torch's SDPA kernel choice | 474.8 |" in text  # the ablation arm: 0.986 x 481.5
     assert "With torch's own kernel choice the ratio is 0.986." in text
+    assert "## 7. Loss memory" in text and "Full / chunked: **23.1x**" in text
+    assert last["loss_memory_ratio"] == 23.1
 
 
 def test_main_exit_codes(monkeypatch, tmp_path, capsys):

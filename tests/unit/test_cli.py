@@ -78,3 +78,29 @@ def test_recipe_may_follow_its_overrides_but_must_be_given(capsys):
     capsys.readouterr()
     assert cli.main(["validate", "train.max_steps=30"]) == 2
     assert "no recipe given" in capsys.readouterr().err
+
+
+def test_validate_refuses_activation_offloading_without_a_gpu(capsys):
+    # This machine has no CUDA device: offloading would have nothing to move, so validate says so (exit 2).
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    assert cli.main(["validate", TINY, "model.activation_offloading=true", "model.gradient_checkpointing=true"]) == 2
+    out = capsys.readouterr().out
+    assert "model.activation_offloading" in out and "no CUDA GPU" in out
+    assert cli.main(["validate", TINY, "model.activation_offloading=true", "model.gradient_checkpointing=false"]) == 2
+    assert "gradient_checkpointing" in capsys.readouterr().err
+
+
+def test_estimate_plans_activation_offloading_and_states_allocated_memory(capsys):
+    assert cli.main(["estimate", R8, "--json"]) == 0
+    on = cli.main(["estimate", R8, "model.activation_offloading=true", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    plain, offloaded = (json.loads(line) for line in out if line.startswith("{"))
+    assert on == 0
+    assert "peak allocated" in "\n".join(out)
+    # the checkpointed layer inputs (32 x 2 x 2048 x 4096 bf16 = 1 GiB) and the embedding table leave the GPU...
+    assert plain["gpu_bytes_allocated"] - offloaded["gpu_bytes_allocated"] > 1.9 * 2**30
+    # ...and land in pinned CPU memory
+    assert offloaded["cpu_bytes"]["training"] - plain["cpu_bytes"]["training"] > 1.9 * 2**30
+    assert offloaded["gpu_bytes_allocated"] <= 6.0 * 2**30

@@ -29,7 +29,8 @@ def within(planned, published, tol=0.15):
 FSDP_QLORA_7B = E.Setup(model="meta-llama/Llama-2-7b-hf", gpus=2, micro_batch=1, lora_r=64,
                         lora_targets=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
                         lora_dtype="bfloat16", lora_dropout=0.1, model_dtype="bfloat16", quant_storage="bfloat16",
-                        optimizer="adamw_torch", strategy="fsdp", fsdp_version=1)
+                        optimizer="adamw_torch", strategy="fsdp", fsdp_version=1,
+                        loss="transformers")  # its loss: the model's own, on full fp32 logits
 
 
 @pytest.mark.parametrize("seq,published_gib", [(512, 4.98), (2048, 5.21)])

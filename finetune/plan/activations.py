@@ -1,0 +1,175 @@
+"""Activation terms of the memory plan: what autograd saves for a Llama-style layer with LoRA on bnb 4-bit
+linears (tests/integration/test_estimate_measured.py measures them with saved-tensor hooks), what
+checkpointing holds across layers, and the loss path at the output head (finetune.plan.logits).
+
+The peak is planned phase by phase rather than as one sum: the loss (end of the forward and start of the
+backward) and the backward of the recomputed layer never hold their working sets at the same time, and
+each adds to what checkpointing holds for every layer.
+"""
+from __future__ import annotations
+
+from finetune.plan.archs import Arch
+from finetune.plan.attention import uses_cpu_math_kernel
+from finetune.plan.logits import chunked_loss_bytes, full_logits_bytes, transformers_loss_bytes
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
+MP_BYTES = {"bf16": 2, "fp16": 2, "no": 4}
+LEAN_TYPES = {"llama", "mistral", "qwen2"}  # model types whose norms and MLPs finetune.train.lean replaces
+PREFETCHED_LAYERS = 2  # activation offloading: the layer input being used and the one copied in ahead
+
+
+def targeted(arch: Arch, targets) -> list:
+    if targets == "all-linear":
+        return arch.linears()
+    wanted = set(targets)
+    return [x for x in arch.linears() if x.name in wanted]
+
+
+def lora_linear_saved(tokens: int, d_in: int, d_out: int, r: int, s) -> int:
+    """Saved for backward by one LoRA-wrapped 4-bit linear. The frozen 4-bit matmul keeps only the weight;
+    the adapter path keeps the dropout mask, the compute-dtype input of A, the input of B and the
+    autocast copies of A and B."""
+    cb = MP_BYTES[s.mixed_precision]
+    total = tokens * d_in * cb + tokens * r * cb
+    if s.lora_dropout > 0:
+        # CUDA's fused dropout keeps a bool mask; CPU keeps a mask of the (adapter-cast) input's dtype.
+        # (peft casts the input to the adapter dtype first when it sees no CUDA autocast, as on CPU).
+        total += tokens * d_in * (1 if s.device == "cuda" else DTYPE_BYTES[s.lora_dtype])
+    if DTYPE_BYTES[s.lora_dtype] != cb:
+        total += r * (d_in + d_out) * cb
+    return total
+
+
+def shared_lora_inputs(arch: Arch, s, t: int, names: set) -> int:
+    """Adapter inputs counted above that are one tensor in fact. On CUDA, without dropout and with the
+    residual stream already in the compute dtype, every adapter's A keeps the very tensor its layer's
+    input is: q/k/v (and gate/up) share one norm output, which is then kept once. (With dropout, each
+    adapter keeps its own dropped copy; with a wider residual, autocast makes a copy per matmul.)"""
+    cb = MP_BYTES[s.mixed_precision]
+    if s.device != "cuda" or s.lora_dropout > 0 or DTYPE_BYTES[s.model_dtype] != cb or arch.experts:
+        return 0
+    groups = [{"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}]
+    return sum(max(0, len(g & names) - 1) for g in groups) * t * arch.hidden * cb
+
+
+def lean(arch: Arch, s) -> bool:
+    """Whether finetune.train.lean's norms and MLPs run (Setup.lean_modules, Llama-style models)."""
+    return s.lean_modules and arch.model_type in LEAN_TYPES
+
+
+def mlp_bytes(s) -> int:
+    """Bytes per element of the MLP's intermediate activations. On CUDA, autocast runs peft's adapter in
+    the compute dtype, so base + adapter outputs stay half precision; on CPU peft computes the adapter in
+    its own dtype (no CUDA autocast) and the sum is promoted to the stored dtype."""
+    return MP_BYTES[s.mixed_precision] if s.device == "cuda" else DTYPE_BYTES[s.model_dtype]
+
+
+def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
+    """Bytes autograd keeps for one decoder layer (no checkpointing)."""
+    t, h, i = batch * seq, arch.hidden, arch.intermediate
+    cb = MP_BYTES[s.mixed_precision]
+    if lean(arch, s):
+        # finetune.train.lean: each norm keeps its input; the first one's is the checkpointed layer input
+        total = (arch.norms_per_layer - (1 if s.checkpointing else 0)) * t * h * DTYPE_BYTES[s.model_dtype]
+    else:
+        total = arch.norms_per_layer * (t * h * 4 + t * 4)  # RMSNorm upcasts to fp32 and keeps it + rsqrt
+    names = {x.name for x in targeted(arch, s.lora_targets)}
+    for x in arch.linears():
+        if x.name in names:
+            n_tok = t * arch.experts_per_tok // x.count if x.count > 1 else t  # routed tokens per expert
+            total += lora_linear_saved(n_tok, x.d_in, x.d_out, s.lora_r, s) * x.count
+    total -= shared_lora_inputs(arch, s, t, names)
+    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    if s.attn == "sdpa" and uses_cpu_math_kernel(s.device, s.mixed_precision, s.seq_len):
+        # SDPA's math kernel (finetune.plan.attention) upcasts q, k and v (repeated to all heads) to fp32
+        # and keeps those with the fp32 probabilities, in place of the bf16 q, k, v and output
+        total += 3 * t * q * 4 + batch * arch.heads * seq * seq * 4
+    else:
+        if s.attn == "eager":
+            kv = q  # eager repeats K/V to all heads, then keeps fp32 probabilities and their cast copy
+            total += batch * arch.heads * seq * seq * (4 + cb)
+        total += t * (2 * q + 2 * kv) * cb + batch * arch.heads * seq * 4  # q, k, v, output + logsumexp
+    inter = t * arch.experts_per_tok if arch.experts else t
+    # act input, act output and up (gated); lean MLPs recompute the act output
+    total += inter * i * mlp_bytes(s) * ((2 if lean(arch, s) else 3) if arch.gated_mlp() else 1)
+    if arch.experts:
+        total += t * arch.experts * 4 * 2  # router logits and softmax
+    return total
+
+
+def head_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
+    """Saved at the output head: the final norm's fp32 input and rsqrt, the targets, and then either the
+    chunked loss's copy of the trained rows' hidden states and their log-sum-exp, or (full logits) the
+    autocast copy of a head stored wider than the compute dtype and the fp32 log-probabilities."""
+    t, h, v = batch * seq, arch.hidden, arch.vocab
+    norm = t * h * DTYPE_BYTES[s.model_dtype] if lean(arch, s) else t * h * 4 + t * 4
+    saved = norm + t * 8
+    if s.loss == "chunked":
+        return saved + t * h * DTYPE_BYTES[s.model_dtype] + t * 4
+    return saved + _cast_head(arch, s) + t * v * 4
+
+
+def _cast_head(arch: Arch, s) -> int:
+    cb = MP_BYTES[s.mixed_precision]
+    return arch.vocab * arch.hidden * cb if DTYPE_BYTES[s.model_dtype] != cb else 0
+
+
+def loss_working_bytes(arch: Arch, s, tokens: int) -> int:
+    """The loss path's transient peak beyond what `head_saved_bytes` keeps, planned for every position
+    trained (the bound for data with no masked prompt): one chunk's working set, the hidden states'
+    gradient and a transient compute-dtype copy of a wider head; or the full logits' buffers."""
+    cb = MP_BYTES[s.mixed_precision]
+    if s.loss == "transformers":
+        return transformers_loss_bytes(tokens, arch.vocab) - tokens * arch.vocab * 4
+    if s.loss == "full":
+        return full_logits_bytes(tokens, arch.vocab, cb) - tokens * arch.vocab * 4
+    rb = DTYPE_BYTES[s.model_dtype]
+    path = chunked_loss_bytes(tokens, arch.vocab, arch.hidden, cb, s.loss_chunk_tokens, rb)
+    return path - tokens * arch.hidden * rb - tokens * 4 + _cast_head(arch, s)
+
+
+def first_layer_discount(arch: Arch, s, tokens: int) -> int:
+    """The first layer's input (the frozen embedding's output) needs no gradient, so its input norm and
+    the dropout on the attention projections it feeds save nothing."""
+    saved = tokens * arch.hidden * DTYPE_BYTES[s.model_dtype] if lean(arch, s) else tokens * arch.hidden * 4 + tokens * 4
+    if s.lora_dropout > 0:
+        mask = 1 if s.device == "cuda" else DTYPE_BYTES[s.lora_dtype]
+        attn_in = {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"}
+        n = sum(1 for x in targeted(arch, s.lora_targets) if x.name in attn_in)
+        if arch.model_type == "falcon":  # parallel attention: the MLP reads the same norm output
+            n += sum(1 for x in targeted(arch, s.lora_targets) if x.name == "dense_h_to_4h")
+        saved += n * tokens * arch.hidden * mask
+    return saved
+
+
+def held_bytes(arch: Arch, s) -> int:
+    """What checkpointing keeps for the whole backward: each layer's input, in the residual dtype. With
+    activation offloading they live in pinned CPU memory, and only the layer in use and the one being
+    copied back ahead of it are on the GPU."""
+    per_input = s.micro_batch * s.seq_len * arch.hidden * DTYPE_BYTES[s.model_dtype]
+    layers = min(arch.layers, PREFETCHED_LAYERS) if s.activation_offload else arch.layers
+    return layers * per_input
+
+
+def activation_terms(arch: Arch, s) -> dict[str, int]:
+    """`activations`: what the layers keep plus the larger of the two working phases' layer part;
+    `logits_loss`: what the loss phase needs beyond that (0 when the recomputed layer is the larger);
+    their sum is the activation part of the peak. `_offloaded`: bytes moved to pinned CPU memory."""
+    b, L = s.micro_batch, s.seq_len
+    per_layer = layer_saved_bytes(arch, s, b, L)
+    rope = 2 * L * arch.head_dim * 4  # cos/sin tables, shared by all layers
+    head = head_saved_bytes(arch, s, b, L)
+    loss = head + loss_working_bytes(arch, s, b * L)
+    offloaded = 0
+    if s.checkpointing:
+        held = held_bytes(arch, s)
+        if s.activation_offload:
+            offloaded = arch.layers * b * L * arch.hidden * DTYPE_BYTES[s.model_dtype]
+        layers = held + rope + per_layer  # plus one layer recomputed during backward
+        extra = max(0, loss - per_layer)  # the loss phase: held inputs + head, no recomputed layer
+    else:
+        held = 0
+        layers = arch.layers * per_layer + rope - first_layer_discount(arch, s, b * L)
+        extra = loss  # every layer's saved tensors are still there when the loss runs
+    return {"activations": layers, "logits_loss": extra, "_held": held + rope, "_per_layer": per_layer,
+            "_head_saved": head, "_offloaded": offloaded}

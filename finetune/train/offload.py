@@ -1,0 +1,113 @@
+"""Activation offloading (recipe: model.activation_offloading, CUDA only): the tensors autograd keeps outside
+checkpointed regions (with gradient checkpointing: each decoder layer's input) go to pinned CPU memory on a
+side stream during the forward pass, and come back on another side stream one layer ahead of the backward
+pass that needs them. The frozen input-embedding table then stays in CPU memory as well: its output is the
+first of those layer inputs, so looking it up on the CPU saves the table's GPU copy and a round trip.
+
+Built on torch.autograd.graph.saved_tensors_hooks, like torch's own `save_on_cpu`, which copies back only
+when backward asks (no prefetch) and offloads every saved tensor, parameters' views included.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+MIN_BYTES = 2**20  # smaller saved tensors stay: a copy costs more latency than their memory is worth
+
+
+class _Packed:
+    """One offloaded tensor: its pinned CPU copy and, once prefetched, the GPU copy on its way back."""
+
+    __slots__ = ("cpu", "device", "gpu", "__weakref__")
+
+    def __init__(self, cpu, device):
+        self.cpu, self.device, self.gpu = cpu, device, None
+
+
+class ActivationOffload:
+    """saved_tensors_hooks that offload to pinned memory and prefetch one tensor ahead in backward."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.order: list = []  # packed tensors of the current forward, in the order they were saved
+
+    def _pack(self, t: torch.Tensor):
+        if (t.device.type != "cuda" or isinstance(t, torch.nn.Parameter) or not t.is_floating_point()
+                or t.numel() * t.element_size() < MIN_BYTES):
+            return t
+        main = torch.cuda.current_stream(t.device)
+        cpu = torch.empty_like(t, device="cpu", pin_memory=True)
+        self.d2h.wait_stream(main)  # t is complete
+        with torch.cuda.stream(self.d2h):
+            cpu.copy_(t, non_blocking=True)
+        t.record_stream(self.d2h)  # the allocator keeps t's memory until the copy is done
+        p = _Packed(cpu, t.device)
+        self.order.append(p)
+        return p
+
+    def _fetch(self, p: _Packed):
+        if p.gpu is None:
+            self.h2d.wait_stream(self.d2h)  # its copy out has finished
+            with torch.cuda.stream(self.h2d):
+                p.gpu = p.cpu.to(p.device, non_blocking=True)
+
+    def _unpack(self, p):
+        if not isinstance(p, _Packed):
+            return p
+        self._fetch(p)
+        main = torch.cuda.current_stream(p.device)
+        main.wait_stream(self.h2d)
+        t, p.gpu = p.gpu, None
+        t.record_stream(main)  # allocated on h2d, used on the main stream from here on
+        i = next((k for k, q in enumerate(self.order) if q is p), None)
+        if i:  # backward runs layers in reverse: bring the previous layer's input in now
+            self._fetch(self.order[i - 1])
+        return t
+
+    @contextlib.contextmanager
+    def __call__(self):
+        self.order = []
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+
+def embeddings_to_cpu(base, device: torch.device) -> bool:
+    """Keep the frozen input embedding in (pinned) CPU memory: ids go to the CPU for the lookup and the
+    rows come back to `device`. Only for an untied table that is a plain tensor (not an FSDP shard) and
+    does not train. Returns whether it moved."""
+    emb, head = base.get_input_embeddings(), base.get_output_embeddings()
+    w = getattr(emb, "weight", None)
+    if w is None or w.requires_grad or type(w) is not torch.nn.Parameter or w.device.type != "cuda" \
+            or (head is not None and getattr(head, "weight", None) is w):
+        return False
+    emb.weight = torch.nn.Parameter(w.detach().cpu().pin_memory(), requires_grad=False)
+    emb.register_forward_pre_hook(lambda m, args: (args[0].to("cpu"), *args[1:]))
+    emb.register_forward_hook(lambda m, args, out: out.pin_memory().to(device, non_blocking=True))
+    return True
+
+
+def _sharded(model) -> bool:
+    """FSDP1 wraps the model in FullyShardedDataParallel; FSDP2 turns its parameters into DTensors."""
+    return "FullyShardedDataParallel" in type(model).__name__ or any(
+        hasattr(p, "_local_tensor") for p in model.parameters())
+
+
+def offload_context(model, enabled: bool):
+    """The context to run a forward pass under: offloading (set up once per model) or nothing. Under FSDP
+    the embedding table is a shard that FSDP gathers on the GPU, so it stays where FSDP keeps it."""
+    if not enabled or not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from accelerate.utils import extract_model_from_parallel
+
+    off = getattr(model, "_finetune_offload", None)
+    if off is None:
+        base = extract_model_from_parallel(model)
+        device = next(p.device for p in base.parameters() if p.device.type == "cuda")
+        if not _sharded(model):
+            embeddings_to_cpu(base.get_base_model() if hasattr(base, "get_base_model") else base, device)
+        off = ActivationOffload(device)
+        model._finetune_offload = off
+    return off()
