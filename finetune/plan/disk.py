@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune.recipe.rundir import foreign_recipe
 from finetune.util.errors import Problem, reason
 from finetune.util.units import fmt
 
@@ -99,6 +100,10 @@ def output_problems(recipe, arch=None, world: int = 1, disk_usage=shutil.disk_us
     if why:
         return [Problem(level="error", path="output.dir", message=f"cannot write to {base}: {why}",
                         fix="choose a writable output.dir (or fix its permissions / mount)")]
+    foreign = foreign_recipe(out_dir)
+    if foreign:
+        return [Problem(level="error", path="output.dir", message=foreign,
+                        fix="keep your recipe outside the run dir (or move it), or choose another output.dir")]
     if arch is None:
         return []
     need = planned_bytes(recipe, arch, world)
