@@ -22,7 +22,8 @@ from finetune.data.prepare import prepare as prepare_data
 from finetune.plan.attention import CPU_MATH_ATTENTION_MAX_LEN, cpu_math_kernel_possible
 from finetune.recipe import Recipe
 from finetune.recipe.rundir import write_recipe
-from finetune.train import checkpoint
+from finetune.recipe.fingerprint import fingerprint
+from finetune.train import checkpoint, runlock
 from finetune.train.distributed import gather_full_adapter_state, make_accelerator, prepare
 from finetune.train.lora import apply_lora, trainable_report
 from finetune.train.loss import batch_kernels, loss_totals, token_loss_sum, trained_tokens
@@ -68,7 +69,8 @@ def train(recipe: Recipe, run_dir: Path, return_model: bool = False) -> dict:
     notebooks, when return_model)."""
     stop = StopSignal()
     try:
-        return _train(recipe, run_dir, stop, return_model)
+        with runlock.hold(run_dir):  # one run per output dir; a dead holder's lock is released by the kernel
+            return _train(recipe, run_dir, stop, return_model)
     finally:
         stop.restore()
 
@@ -143,10 +145,14 @@ def resume(run: Run) -> None:
     acc = run.acc
     if acc.is_main_process:
         checkpoint.clean_partial(run.ckpt_root)  # leftovers of an interrupted checkpoint write
+        checkpoint.set_aside_damaged(run.ckpt_root)  # newer than the newest intact one: never resumed or pruned
     acc.wait_for_everyone()
     resume_from = resolve_resume(run.recipe.train.resume, run.ckpt_root)
     if resume_from is not None:
-        state = checkpoint.verify(resume_from, acc.num_processes)
+        state = checkpoint.verify(resume_from)
+        # A changed recipe (or process count, or data) is refused before anything is loaded into the model.
+        for line in checkpoint.compare_fingerprint(state, run_fingerprint(run), resume_from, run.run_dir):
+            log.info(f"resume: {line}")
         # Adapter weights go in before sharding: every rank loads the full tensors, FSDP then shards them.
         load_adapter_into(run.model, resume_from / "adapter")
     run.model, run.optimizer = prepare(acc, run.model, run.optimizer)
@@ -314,8 +320,9 @@ def resolve_resume(resume, ckpt_root: Path) -> Path | None:
     if resume in ("auto", True):
         return checkpoint.latest(ckpt_root)
     p = Path(resume)
-    if not (p / checkpoint.MANIFEST).exists():
-        raise RecipeError([f"train.resume: {resume} is not a complete checkpoint directory"])
+    why = checkpoint.problems(p) if (p / checkpoint.MANIFEST).exists() else "no manifest"
+    if why:
+        raise RecipeError([f"train.resume: {resume} is not a complete checkpoint directory ({why})"])
     return p
 
 
@@ -339,7 +346,13 @@ def save_checkpoint(run: Run):
     checkpoint.save(run.ckpt_root, run.step, rank=acc.process_index, world=acc.num_processes,
                     barrier=acc.wait_for_everyone, adapter=(cfg, state) if acc.is_main_process else None,
                     optimizer=run.optimizer, scheduler=run.scheduler,
-                    data_state={"epoch": run.epoch, "cursor": run.cursor}, keep=t.keep_checkpoints)
+                    data_state={"epoch": run.epoch, "cursor": run.cursor}, keep=t.keep_checkpoints,
+                    fingerprint=run_fingerprint(run))
+
+
+def run_fingerprint(run: Run) -> dict:
+    """What this run's checkpoints were trained with (finetune.recipe.fingerprint)."""
+    return fingerprint(run.recipe, run.acc.num_processes, run.prepared.stats)
 
 
 def export_adapter(run: Run):
