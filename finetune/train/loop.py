@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from finetune.train.loss import batch_kernels, loss_totals, token_loss_sum, trai
 from finetune.train.metrics import Metrics
 from finetune.train.model import enable_checkpointing, load_model, load_tokenizer
 from finetune.train.optim import build_optimizer, build_scheduler
+from finetune.train.stop import StopSignal
 from finetune.util.errors import RecipeError
 from finetune.util.log import log
 
@@ -87,6 +87,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     run.metrics = Metrics(run_dir, run.total_steps, run.step, recipe.output.progress_bar)
     run.model.train()
     run.batches = run.epoch_batches()
+    stop.armed = True  # until now a signal stopped at once (nothing to checkpoint); now it checkpoints first
     t, rate, last = recipe.train, TokenRate(), {}
     while run.step < run.total_steps:
         loss, grad_norm, step_tokens = optimizer_step(run)
@@ -285,30 +286,6 @@ def plan_steps(recipe: Recipe, examples: list, world: int, layout: str | None) -
                            f"({t.gradient_accumulation_steps} micro-batches)"])
     total = t.max_steps or math.ceil(t.epochs * per_epoch / t.gradient_accumulation_steps)
     return per_epoch, total
-
-
-class StopSignal:
-    """SIGTERM (preemption) or SIGINT: finish the current step, write a checkpoint, exit 0.
-    Every rank gets the signal from the launcher; the flag is also OR-ed across ranks so they agree."""
-
-    def __init__(self):
-        self.signum = None
-        self.previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self.previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. a notebook worker): no handler, no preemption save
-                pass
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-
-    def requested(self, acc) -> bool:
-        return global_sum(acc, 1.0 if self.signum is not None else 0.0) > 0
-
-    def restore(self):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 def resolve_resume(resume, ckpt_root: Path) -> Path | None:
