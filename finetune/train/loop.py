@@ -22,7 +22,7 @@ from finetune.plan.attention import CPU_MATH_ATTENTION_MAX_LEN, cpu_math_kernel_
 from finetune.recipe import Recipe
 from finetune.recipe.rundir import write_recipe
 from finetune.recipe.fingerprint import fingerprint
-from finetune.train import checkpoint, runlock
+from finetune.train import checkpoint, guard, runlock
 from finetune.train.distributed import gather_full_adapter_state, make_accelerator, prepare
 from finetune.train.lora import apply_lora, trainable_report
 from finetune.train.loss import batch_kernels, loss_totals, token_loss_sum, trained_tokens
@@ -99,6 +99,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
                             grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
                             tokens_per_s=rate.per_second())
             rate.reset()
+        guard.check_step(run, loss, grad_norm, lambda v: global_sum(run.acc, v))  # NaN/inf: stop, never save it
         if t.eval_every and run.step % t.eval_every == 0 and run.eval_batches:
             run.metrics.log(run.step, eval_loss=round(evaluate(run), 6))
         if save_or_stop(run, stop):
@@ -337,6 +338,7 @@ def export_adapter(run: Run):
     acc = run.acc
     state = gather_full_adapter_state(acc, run.model)
     if acc.is_main_process:
+        guard.assert_finite_adapter(state)
         cfg = acc.unwrap_model(run.model).peft_config["default"]
 
         def build(out: Path):
