@@ -45,8 +45,10 @@ def _encode_batch(batch: dict, tok, spec: DataSpec) -> dict:
             ex, err = encode(row, fmt, tok, spec), ""
         except (ValueError, TypeError, KeyError, IndexError, jinja2.TemplateError) as e:
             ex, err = {"input_ids": [], "labels": []}, str(e).splitlines()[0][:300] or type(e).__name__
-        out["input_ids"].append(ex["input_ids"])
-        out["labels"].append(ex["labels"])
+        # Stored up to one token past max_seq_len: enough to tell a row is too long, and the cache stays
+        # bounded per row whatever the row's size.
+        out["input_ids"].append(ex["input_ids"][: spec.max_seq_len + 1])
+        out["labels"].append(ex["labels"][: spec.max_seq_len + 1])
         out["where"].append(row.get("_where", "row"))
         out["error"].append(err)
     return out
@@ -64,7 +66,7 @@ def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str)
     texts = [json.dumps(r, ensure_ascii=False, sort_keys=True, default=str) for _, r in pairs]
     fmts = [f for f, _ in pairs]
     key = Hasher.hash([ENCODER_VERSION, texts, fmts, _tokenizer_fingerprint(tok), spec.train_on_inputs,
-                       chat_template(spec, tok)])
+                       chat_template(spec, tok), spec.max_seq_len])
     cache = cache_root() / "data" / f"{what}-{key}.arrow"
     cache.parent.mkdir(parents=True, exist_ok=True)
     ds = datasets.Dataset.from_dict({"row": texts, "fmt": fmts})

@@ -80,3 +80,35 @@ def test_json_files_obey_the_row_size_limit(tmp_path, tok, monkeypatch, layout):
     p.write_text(json.dumps(rows, indent=0) if layout == "array" else json.dumps({"data": rows}))
     kept = P.prepare(_spec(p, "skip"), tok)
     assert kept.stats["rows"] == 6 and "longer than the limit of 4096 bytes" in kept.stats["bad_rows"][0]
+
+
+class _Recording:
+    """The real tokenizer, recording the longest text it was asked to tokenize."""
+
+    def __init__(self, tok):
+        self.tok, self.longest = tok, 0
+
+    def __call__(self, text, **kw):
+        self.longest = max(self.longest, len(text))
+        return self.tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+@pytest.mark.parametrize("row", [{"text": "many words " * 100_000},
+                                 {"prompt": "say it\n", "completion": "again and " * 100_000},
+                                 {"messages": [{"role": "user", "content": "hi " * 100_000},
+                                               {"role": "assistant", "content": "ok"}]}])
+def test_a_huge_row_is_cut_before_it_is_tokenized_with_the_same_result(tok, row):
+    """A 1 MB row: only a bounded prefix reaches the tokenizer, and the first max_seq_len tokens (what
+    trains) and the verdict "too long" are what tokenizing the whole row gives."""
+    from finetune.data import encode as E
+
+    spec = DataSpec(max_seq_len=64, chat_template="chatml")
+    rec = _Recording(tok)
+    got = E.encode(row, "auto", rec, spec)
+    assert rec.longest <= 64 * E.CHARS_PER_TOKEN_CAP + 64  # + the template's own characters
+    whole = E.encode(row, "auto", tok, DataSpec(max_seq_len=10**9, chat_template="chatml"))
+    assert got["input_ids"][:64] == whole["input_ids"][:64] and got["labels"][:64] == whole["labels"][:64]
+    assert len(got["input_ids"]) > 64 and len(whole["input_ids"]) > 64
