@@ -259,14 +259,10 @@ def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int
     layout the attention backend supports (data.packing_layout), None for dynamic padding."""
     order = list(examples)
     random.Random(spec.data.shuffle_seed * 1000 + epoch).shuffle(order)
-    mb = spec.train.micro_batch_size
     if layout:
         order = batching.pack(order, spec.data.max_seq_len)
-    global_batches = [order[i: i + mb * world] for i in range(0, len(order) - mb * world + 1, mb * world)]
-    if layout:
-        return [batching.collate_packed(g[rank * mb:(rank + 1) * mb], pad_id, flat=layout == "flat")
-                for g in global_batches]
-    return [batching.collate(g[rank * mb:(rank + 1) * mb], pad_id) for g in global_batches]
+    # Collated lazily, one micro-batch when the loop reaches it (data.batching.EpochBatches).
+    return batching.EpochBatches(order, spec.train.micro_batch_size, world, rank, pad_id, layout)
 
 
 def global_sum(accelerator, value: float) -> float:
