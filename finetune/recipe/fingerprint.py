@@ -10,10 +10,12 @@ Every key is defining unless listed in `FREE`: a new recipe field is protected b
 """
 from __future__ import annotations
 
+import hashlib
 import json
 
 from finetune.recipe.schema import Recipe
 from finetune.util.errors import RecipeError
+from finetune.util.redact import redact
 
 # Keys (or section prefixes ending in ".") that may change between a checkpoint and its resume: how long
 # the run goes, what it logs and saves, how it is evaluated, where it writes, and knobs that change memory
@@ -32,7 +34,10 @@ def _flat(node, prefix: str = "") -> dict:
         for k, v in node.items():
             out.update(_flat(v, f"{prefix}{k}."))
         return out
-    return {prefix[:-1]: json.dumps(node, sort_keys=True)}  # lists (sources, targets) compare whole
+    text = json.dumps(node, sort_keys=True)  # lists (sources, targets) compare whole
+    if redact(text) != text:  # a secret pasted into a field never reaches the checkpoint; its hash compares
+        text = "sha256:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    return {prefix[:-1]: text}
 
 
 def fingerprint(recipe: Recipe, world: int, data: dict | None = None) -> dict:
