@@ -119,6 +119,28 @@ def batches(examples: list[dict], batch_size: int, pad_id: int, packing: bool, m
     return [collate(examples[i: i + batch_size], pad_id) for i in range(0, len(examples), batch_size)]
 
 
+class EpochBatches:
+    """One rank's micro-batches of an epoch, collated when asked for (`batches[i]`), not all up front: an
+    epoch of a million short rows would otherwise cost minutes and gigabytes of tensors before the first step.
+    `rows` are the epoch's examples (or packed rows) in order; global batch i is rows[i*mb*world:(i+1)*mb*world],
+    of which this rank takes the `rank`-th micro-batch; a last incomplete global batch is dropped."""
+
+    def __init__(self, rows: list[dict], mb: int, world: int, rank: int, pad_id: int, layout: str | None):
+        self.rows, self.mb, self.world, self.rank, self.pad_id, self.layout = rows, mb, world, rank, pad_id, layout
+
+    def __len__(self) -> int:
+        return len(self.rows) // (self.mb * self.world)
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        start = i * self.mb * self.world + self.rank * self.mb
+        part = self.rows[start: start + self.mb]
+        if self.layout:
+            return collate_packed(part, self.pad_id, flat=self.layout == "flat")
+        return collate(part, self.pad_id)
+
+
 def packing_efficiency(examples: list[dict], max_len: int) -> float:
     """Real tokens / (packed rows x max_len): the share of a packed row's slots that hold data."""
     return _efficiency(pack(examples, max_len), max_len)

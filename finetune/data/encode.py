@@ -11,7 +11,12 @@ from finetune.data.formats import SHAREGPT_ROLES, detect_format
 from finetune.recipe import DataSpec
 
 IGNORE = -100
-ENCODER_VERSION = 2  # part of the cache key: bump when encode() changes what it produces
+ENCODER_VERSION = 3  # part of the cache key: bump when encode() changes what it produces
+# Text is cut to max_seq_len x this many characters before it is tokenized (bounded time and memory per row,
+# whatever the row's size). Tokens average about 4 characters; a piece cut here still makes far more tokens
+# than max_seq_len, so the first max_seq_len tokens, and whether the row is too long, stay exactly the same.
+# Should a cut piece make fewer (runs of 32+ characters per token), it is tokenized whole instead.
+CHARS_PER_TOKEN_CAP = 32
 
 # ChatML, for tokenizers without a template of their own (`data.chat_template: chatml`).
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -30,8 +35,20 @@ def instruction_prompt(row: dict) -> str:
     return row["instruction"] + ("\n" + row["input"] if row.get("input") else "") + "\n"
 
 
-def _ids(tok, text: str, special: bool) -> list[int]:
-    return tok(text, add_special_tokens=special)["input_ids"]
+def _ids(tok, text: str, special: bool, max_len: int | None = None) -> list[int]:
+    """Token ids of `text`; with `max_len`, of a prefix long enough for max_len tokens (see CHARS_PER_TOKEN_CAP)."""
+    cut = cut_text(text, max_len)
+    ids = tok(cut, add_special_tokens=special)["input_ids"]
+    if cut is not text and len(ids) <= max_len:  # pathological: very long tokens; the whole text decides
+        ids = tok(text, add_special_tokens=special)["input_ids"]
+    return ids
+
+
+def cut_text(text: str, max_len: int | None) -> str:
+    """`text` itself, or its first max_len x CHARS_PER_TOKEN_CAP characters when it is longer."""
+    if max_len is None or len(text) <= max_len * CHARS_PER_TOKEN_CAP:
+        return text
+    return text[: max_len * CHARS_PER_TOKEN_CAP]
 
 
 def _eos(tok) -> list[int]:
@@ -39,11 +56,11 @@ def _eos(tok) -> list[int]:
     return [tok.eos_token_id] if tok.eos_token_id is not None else []
 
 
-def _prompt_completion(tok, prompt: str, completion: str, train_on_inputs: bool) -> dict:
+def _prompt_completion(tok, prompt: str, completion: str, train_on_inputs: bool, max_len: int) -> dict:
     # Prompt and completion are tokenized apart, as at inference (the prompt alone, then generation),
     # so the boundary is exact and no completion token is lost to a merge with the prompt's last bytes.
-    p = _ids(tok, prompt, special=True)
-    c = _ids(tok, completion, special=False) + _eos(tok)
+    p = _ids(tok, prompt, special=True, max_len=max_len)
+    c = _ids(tok, completion, special=False, max_len=max_len) + _eos(tok)
     labels = (p if train_on_inputs else [IGNORE] * len(p)) + c
     return {"input_ids": p + c, "labels": labels}
 
@@ -83,25 +100,31 @@ def _chat(tok, messages: list[dict], template: str | None, train_on_inputs: bool
 def encode(row: dict, fmt: str, tok, spec: DataSpec) -> dict:
     """One row -> {"input_ids", "labels"}. Raises ValueError for a row that does not fit `fmt`."""
     fmt = (detect_format(row) or "unknown") if fmt == "auto" else fmt
-    template = chat_template(spec, tok)
+    template, n = chat_template(spec, tok), spec.max_seq_len
     if fmt == "prompt_completion":
         if isinstance(row.get("prompt"), list):  # conversational: train on the completion messages
-            return _chat(tok, row["prompt"] + row["completion"], template, spec.train_on_inputs,
+            return _chat(tok, _cut_turns(row["prompt"] + row["completion"], n), template, spec.train_on_inputs,
                          first_trained=len(row["prompt"]))
-        return _prompt_completion(tok, _str(row, "prompt"), _str(row, "completion"), spec.train_on_inputs)
+        return _prompt_completion(tok, _str(row, "prompt"), _str(row, "completion"), spec.train_on_inputs, n)
     if fmt == "instruction":
         _str(row, "instruction")
-        return _prompt_completion(tok, instruction_prompt(row), _str(row, "output"), spec.train_on_inputs)
+        return _prompt_completion(tok, instruction_prompt(row), _str(row, "output"), spec.train_on_inputs, n)
     if fmt == "messages":
-        return _chat(tok, row["messages"], template, spec.train_on_inputs)
+        return _chat(tok, _cut_turns(row["messages"], n), template, spec.train_on_inputs)
     if fmt == "sharegpt":
         msgs = [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")), "content": t.get("value")}
                 for t in row["conversations"]]
-        return _chat(tok, msgs, template, spec.train_on_inputs)
+        return _chat(tok, _cut_turns(msgs, n), template, spec.train_on_inputs)
     if fmt == "text":  # continued pretraining: every token trains
-        ids = _ids(tok, _str(row, "text"), special=True) + _eos(tok)
+        ids = _ids(tok, _str(row, "text"), special=True, max_len=n) + _eos(tok)
         return {"input_ids": ids, "labels": list(ids)}
     raise ValueError(f"unknown format {fmt}")
+
+
+def _cut_turns(messages: list, max_len: int) -> list:
+    """Each turn's text cut like any text (a turn cut there already reaches past max_seq_len on its own)."""
+    return [{**m, "content": cut_text(m["content"], max_len)} if isinstance(m, dict) and isinstance(m.get("content"), str)
+            else m for m in messages]
 
 
 def _str(row: dict, key: str) -> str:

@@ -62,6 +62,8 @@ def _text(row: dict, key: str, required=True, allow_empty=False) -> str | None:
 
 
 def _chat(msgs, key: str, role_key="role", content_key="content", roles=CHAT_ROLES) -> str | None:
+    """Why a list of chat messages is unusable. An assistant turn with no text is bad, as an empty
+    completion or output is in the other formats: it would train the model to answer with nothing."""
     if not isinstance(msgs, list):
         return f"field '{key}' must be a list of messages, got {type(msgs).__name__}"
     if not msgs:
@@ -73,6 +75,8 @@ def _chat(msgs, key: str, role_key="role", content_key="content", roles=CHAT_ROL
             return f"{key}[{i}].{role_key} must be one of {sorted(roles)}, got {m.get(role_key)!r}"
         if not isinstance(m.get(content_key), str):
             return f"{key}[{i}].{content_key} must be a string, got {type(m.get(content_key)).__name__}"
+        if SHAREGPT_ROLES.get(m[role_key]) == "assistant" and not m[content_key].strip():
+            return f"{key}[{i}].{content_key} is empty (an assistant turn)"
     return None
 
 

@@ -7,6 +7,7 @@ second run or the other ranks of a node skip it.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass, field
 
@@ -44,8 +45,10 @@ def _encode_batch(batch: dict, tok, spec: DataSpec) -> dict:
             ex, err = encode(row, fmt, tok, spec), ""
         except (ValueError, TypeError, KeyError, IndexError, jinja2.TemplateError) as e:
             ex, err = {"input_ids": [], "labels": []}, str(e).splitlines()[0][:300] or type(e).__name__
-        out["input_ids"].append(ex["input_ids"])
-        out["labels"].append(ex["labels"])
+        # Stored up to one token past max_seq_len: enough to tell a row is too long, and the cache stays
+        # bounded per row whatever the row's size.
+        out["input_ids"].append(ex["input_ids"][: spec.max_seq_len + 1])
+        out["labels"].append(ex["labels"][: spec.max_seq_len + 1])
         out["where"].append(row.get("_where", "row"))
         out["error"].append(err)
     return out
@@ -58,18 +61,22 @@ def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str)
     import datasets
     from datasets.fingerprint import Hasher
 
-    from finetune.util.builtin import cache_root
+    from finetune.plan.disk import data_cache_cap, data_cache_dir
 
     texts = [json.dumps(r, ensure_ascii=False, sort_keys=True, default=str) for _, r in pairs]
     fmts = [f for f, _ in pairs]
     key = Hasher.hash([ENCODER_VERSION, texts, fmts, _tokenizer_fingerprint(tok), spec.train_on_inputs,
-                       chat_template(spec, tok)])
-    cache = cache_root() / "data" / f"{what}-{key}.arrow"
+                       chat_template(spec, tok), spec.max_seq_len])
+    cache = data_cache_dir() / f"{what}-{key}.arrow"
     cache.parent.mkdir(parents=True, exist_ok=True)
+    if cache.exists():
+        os.utime(cache)  # recently used: kept by the pruning below
     ds = datasets.Dataset.from_dict({"row": texts, "fmt": fmts})
     out = ds.map(_encode_batch, batched=True, batch_size=256, fn_kwargs={"tok": tok, "spec": spec},
                  remove_columns=["row", "fmt"], cache_file_name=str(cache), new_fingerprint=key,
                  desc=f"tokenizing {what} rows")
+    _USED.add(cache)
+    prune_cache(cache.parent, _USED, data_cache_cap())
     cols = out.to_dict()
     del ds, out
     _release_arrow_memory()
@@ -84,6 +91,31 @@ def _release_arrow_memory() -> None:
     import pyarrow
 
     pyarrow.default_memory_pool().release_unused()
+
+
+_USED: set = set()  # cache files this process uses: never pruned under it
+
+
+def prune_cache(directory, keep: set, cap: int) -> list:
+    """Remove the least recently used cache files until the directory holds at most `cap` bytes (the files
+    in `keep` stay whatever their size). Returns the removed paths."""
+    files = []
+    for p in directory.glob("*.arrow"):
+        try:
+            st = p.stat()
+        except FileNotFoundError:  # removed meanwhile by another run's pruning
+            continue
+        files.append((st.st_mtime, st.st_size, p))
+    total, removed = sum(f[1] for f in files), []
+    for _, size, p in sorted(files):
+        if total <= cap:
+            break
+        if p in keep:
+            continue
+        p.unlink(missing_ok=True)
+        total -= size
+        removed.append(p)
+    return removed
 
 
 def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict) -> list[int]:

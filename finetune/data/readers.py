@@ -38,14 +38,41 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes | None]]:
             yield lineno, chunk
 
 
+def _int(digits: str) -> int | float:
+    """JSON integers: Python refuses to convert more than 4300 digits (ValueError, not a JSON error); such a
+    number becomes a float (inf), so it fails a row's type checks instead of crashing the reader."""
+    return int(digits) if len(digits) <= 4000 else float(digits)
+
+
+_DECODER = json.JSONDecoder(parse_int=_int)
+# Valid UTF-8 cannot hold a UTF-16 surrogate, so one can only come from a JSON escape such as \ud800.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def surrogate_problem(text: str, row) -> str | None:
+    """A lone surrogate (an escape like \\ud800 without its pair) cannot be encoded as UTF-8: the tokenizer
+    and the cache would fail on it later. Checked only when the raw `text` holds such an escape."""
+    if not text or not _SURROGATE_ESCAPE.search(text):
+        return None
+    try:
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return "a lone UTF-16 surrogate (an unpaired \\uD800-\\uDFFF escape) is not text"
+    return None
+
+
 def _parse(where: str, text: str, bad: BadRows) -> dict | None:
     try:
-        row = json.loads(text)
+        row = _DECODER.decode(text)
     except json.JSONDecodeError as e:
         bad.add(where, f"invalid JSON: {e.msg} (column {e.colno})")
         return None
     except RecursionError:
         bad.add(where, "invalid JSON: nested too deeply")
+        return None
+    why = surrogate_problem(text, row)
+    if why:
+        bad.add(where, why)
         return None
     if not isinstance(row, dict):
         bad.add(where, f"expected a JSON object, got {type(row).__name__}")
@@ -79,7 +106,7 @@ _WS = re.compile(r"[ \t\r\n]*")
 def _json_items(text: str) -> Iterator[tuple[int, object]]:
     """(character position, item) for a JSON array (text starts with '['), item by item, so each row
     can be named by its line."""
-    dec, n, i, first = json.JSONDecoder(), len(text), 1, True
+    dec, n, i, first = _DECODER, len(text), 1, True
     while True:
         i = _WS.match(text, i).end()
         if i >= n:
@@ -91,7 +118,7 @@ def _json_items(text: str) -> Iterator[tuple[int, object]]:
                 raise json.JSONDecodeError("expected ',' or ']'", text, i)
             i = _WS.match(text, i + 1).end()
         obj, end = dec.raw_decode(text, i)
-        yield i, obj
+        yield i, (obj, end - i, surrogate_problem(text[i:end], obj))
         first, i = False, end
 
 
@@ -108,7 +135,7 @@ def read_json(path: Path, bad: BadRows) -> Iterator[dict]:
     start = _WS.match(text).end()
     if text[start:start + 1] == "{":
         try:
-            doc = json.loads(text)
+            doc = _DECODER.decode(text)
         except json.JSONDecodeError as e:
             if e.msg == "Extra data":  # several objects, one per line: JSON Lines named .json
                 yield from read_jsonl(path, bad)
@@ -118,7 +145,8 @@ def read_json(path: Path, bad: BadRows) -> Iterator[dict]:
         if len(lists) != 1:
             raise RecipeError([f"{path}: a JSON object file must hold exactly one list of rows "
                                f"(found {len(lists)}); or write one object per line (.jsonl)"])
-        items = ((None, x) for x in lists[0])
+        escaped = text if _SURROGATE_ESCAPE.search(text) else ""  # searched once, not once per row
+        items = ((None, (x, _size(x), surrogate_problem(escaped, x))) for x in lists[0])
     elif text[start:start + 1] == "[":
         items = _json_items(text[start:])
     else:
@@ -126,11 +154,14 @@ def read_json(path: Path, bad: BadRows) -> Iterator[dict]:
                            f"{'an empty file' if start >= len(text) else repr(text[start])}"])
     pos, line = 0, text.count("\n", 0, start) + 1
     try:
-        for k, (at, row) in enumerate(items):
+        for k, (at, (row, size, why)) in enumerate(items):
             if at is not None:
                 line += text.count("\n", start + pos, start + at)
                 pos = at
             where = f"{path}:{line}" if at is not None else f"{path} row {k}"
+            if size > MAX_ROW_BYTES or why:  # the same limit as a JSON Lines row
+                bad.add(where, why or f"row longer than the limit of {MAX_ROW_BYTES} bytes")
+                continue
             if not isinstance(row, dict):
                 bad.add(where, f"expected a JSON object, got {type(row).__name__}")
                 continue
@@ -140,6 +171,21 @@ def read_json(path: Path, bad: BadRows) -> Iterator[dict]:
         line = text.count("\n", 0, start + e.pos) + 1
         raise RecipeError([f"{path}:{line}: invalid JSON: {e.msg}; a broken .json array cannot be read past "
                            "this point (fix it, or use JSON Lines, whose bad rows can be skipped)"]) from None
+
+
+def _size(obj, limit: int = MAX_ROW_BYTES) -> int:
+    """Characters of text in a parsed row (its strings and keys), counted until past `limit`."""
+    todo, n = [obj], 0
+    while todo and n <= limit:
+        x = todo.pop()
+        if isinstance(x, str):
+            n += len(x)
+        elif isinstance(x, dict):
+            n += sum(len(str(k)) for k in x)
+            todo += x.values()
+        elif isinstance(x, list):
+            todo += x
+    return n
 
 
 def read_csv(path: Path, bad: BadRows) -> Iterator[dict]:

@@ -85,6 +85,10 @@ def base_tensors(base_dir: Path) -> list[TensorInfo]:
     index = base_dir / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [f for f in files if not (base_dir / f).is_file()]
+        if missing:
+            raise RecipeError([f"{index} names {len(missing)} shard(s) that are not there, e.g. {missing[0]}: an "
+                               "incomplete download? fetch the missing files"], "merge")
     elif (base_dir / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:

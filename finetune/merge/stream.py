@@ -10,22 +10,25 @@ training saw it (cast to the recipe's model dtype, 4-bit quantized, dequantized)
 computes what the trained adapter computed. See docs/merge.md for when to pick which.
 
 Safe: everything is written to a temporary sibling directory and renamed into place only after the
-parity check passed, so a crash or a failed check never leaves an output that looks complete.
+parity check passed, so a crash or a failed check never leaves an output that looks complete; what may be
+replaced, permissions, leftovers and write errors are `finetune.merge.output`'s.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import json
+import os
+import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, merged_tensor, pair_keys, plan_shards, scaling,
                                  shard_names)
+from finetune.merge.output import apply_umask, clean_stale, output_dir, temp_dir, up_to_date, write_error
 from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
 from finetune.util.atomic import replace_dir
 from finetune.util.dtypes import recipe_name, torch_dtype
@@ -122,6 +125,21 @@ class _Merger:
         return lora_delta(a, b, self.scales[name])
 
 
+def _save_shard(save_file, tensors: dict, path: Path):
+    """safetensors writes the file itself and reports a failed write (disk full, quota) as a SafetensorError
+    whose only trace of the errno is its message ("os error 28"); turn it back into the OSError it was, so
+    it is reported like every other failed write. (Serializing to bytes first would cost a shard of RAM.)"""
+    from safetensors import SafetensorError
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        m = re.search(r"os error (\d+)", str(e))
+        if not m:
+            raise
+        raise OSError(int(m.group(1)), os.strerror(int(m.group(1))), str(path)) from None
+
+
 def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, max_bytes: int) -> dict:
     """The merged weights as planned output shards (+ index), each written as soon as it is full."""
     from safetensors.torch import save_file
@@ -139,7 +157,7 @@ def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, m
             tensors[t.name] = merger.tensor(t)
             weight_map[t.name] = fname
             total += tensors[t.name].numel() * tensors[t.name].element_size()
-        save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+        _save_shard(save_file, tensors, tmp / fname)
         del tensors
         _release_freed_memory()
     merger.handle = None  # unmap the last input shard before the next step reads more
@@ -161,8 +179,26 @@ def _write_extras(src: Source, tmp: Path, out_dtype: torch.dtype) -> None:
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if (src.base_dir / "generation_config.json").is_file():
         shutil.copyfile(src.base_dir / "generation_config.json", tmp / "generation_config.json")
-    tok_dir = src.adapter_dir if (src.adapter_dir / "tokenizer_config.json").is_file() else src.base_dir
-    AutoTokenizer.from_pretrained(tok_dir).save_pretrained(tmp)
+    try:
+        AutoTokenizer.from_pretrained(tokenizer_dir(src)).save_pretrained(tmp)
+    except (ValueError, OSError) as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise  # a failed write into tmp
+        raise RecipeError([f"cannot load the tokenizer in {tokenizer_dir(src)}: {str(e).splitlines()[0]}"],
+                          "merge") from None
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+
+
+def tokenizer_dir(src: Source) -> Path:
+    """The adapter's tokenizer (training saves it with its chat template), else the base's; RecipeError
+    before anything is written when neither has one."""
+    for d in (src.adapter_dir, src.base_dir):
+        if any((d / name).is_file() for name in TOKENIZER_FILES):
+            return d
+    raise RecipeError([f"no tokenizer in the adapter ({src.adapter_dir}) nor the base ({src.base_dir}): a merged "
+                       "model needs one; copy the base model's tokenizer files into either"], "merge")
 
 
 def _sha256(path: Path) -> str:
@@ -192,25 +228,6 @@ def _check_options(target: str, dtype: str, max_shard_size) -> int:
     return parse_size(max_shard_size, "--max-shard-size")
 
 
-def _output_dir(src: Source, output) -> Path:
-    """--output, else RUN_DIR/merged (ADAPTER_DIR/merged for a plain adapter); never around the inputs."""
-    out = Path(output).expanduser().resolve() if output else (src.run_dir or src.adapter_dir) / "merged"
-    for inside in (src.adapter_dir, src.base_dir):
-        if inside == out or out in inside.parents:
-            raise RecipeError([f"--output {out} contains the inputs ({inside}); pick another directory"], "merge")
-    return out
-
-
-def _up_to_date(out: Path, fp: dict, force: bool) -> bool:
-    """True when `out` already holds this very merge; RecipeError for any other non-empty `out` without --force."""
-    if not out.exists() or not any(out.iterdir()) or force:
-        return False
-    info = out / "merge_info.json"
-    if info.is_file() and json.loads(info.read_text()).get("inputs") == fp:
-        return True
-    raise RecipeError([f"output {out} is not empty; pass --force to replace it"], "merge")
-
-
 def _write_output(src: Source, tmp: Path, out: Path, target: str, dtype: str, max_bytes: int, fp: dict,
                   check: bool) -> dict:
     """Weights, config, tokenizer, parity check, model card and merge_info.json into `tmp`; returns the
@@ -235,18 +252,20 @@ def merge(source, output=None, target: str = "original", dtype: str = "bf16", ma
     """Merge the adapter of `source` (run dir or PEFT adapter dir) into its base; returns the output dir."""
     max_bytes = _check_options(target, dtype, max_shard_size)
     src = resolve_source(source)
-    out = _output_dir(src, output)
+    out = output_dir(src, output)
+    tokenizer_dir(src)
     fp = fingerprint(src, target, dtype, max_bytes)
-    if _up_to_date(out, fp, force):
+    if up_to_date(out, fp, force):
         log.info(f"merge: {out} is up to date (same adapter, base and settings); nothing to do")
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        stats = _write_output(src, tmp, out, target, dtype, max_bytes, fp, check)
-        replace_dir(tmp, out)  # at every instant `out` is the old complete output or the new one
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        clean_stale(out)
+        with temp_dir(out) as tmp:
+            stats = _write_output(src, tmp, out, target, dtype, max_bytes, fp, check)
+            apply_umask(tmp)
+            replace_dir(tmp, out)  # at every instant `out` is the old complete output or the new one
+    except OSError as e:  # read-only output, disk full, quota: one line, nothing partial left
+        raise write_error(e, out) from None
     log.info(f"merge: wrote {stats['shards']} shard(s), {stats['bytes'] / 1e6:.1f} MB, "
              f"{stats['merged_weights']} merged weights -> {out}")
     return out

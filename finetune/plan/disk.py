@@ -16,8 +16,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from finetune.recipe.rundir import foreign_recipe
 from finetune.util.errors import Problem, reason
-from finetune.util.units import fmt
+from finetune.util.units import fmt, parse_size
 
 # Pickled optimizer state carries per-tensor overhead (keys, bitsandbytes' 256-entry quantization maps,
 # step counters) on top of the raw moments the estimate counts; this covers it for small adapters.
@@ -53,6 +54,54 @@ def planned_bytes(recipe, arch, world: int) -> Need:
         saves = t.max_steps // t.save_every + 1 if t.save_every else 1
     copies = min(t.keep_checkpoints, saves or t.keep_checkpoints) + 1
     return Need(checkpoint=ckpt, adapter=adapter + SMALL_FILES, copies=copies)
+
+
+# The tokenized-data cache (FINETUNE_CACHE/data): least recently used files go once it passes this size.
+CACHE_MAX_ENV = "FINETUNE_DATA_CACHE_MAX"
+DEFAULT_CACHE_MAX = 20 << 30
+# Cached ids and labels are int64 lists: 16 bytes per token, at about 4 bytes of text per token.
+CACHE_BYTES_PER_TEXT_BYTE = 4
+
+
+def data_cache_dir() -> Path:
+    from finetune.util.builtin import cache_root
+
+    return cache_root() / "data"
+
+
+def data_cache_cap(env=None) -> int:
+    env = os.environ if env is None else env
+    return parse_size(env.get(CACHE_MAX_ENV) or DEFAULT_CACHE_MAX, CACHE_MAX_ENV)
+
+
+def cache_bytes(recipe, env=None) -> int:
+    """Planned size of this recipe's tokenized-data cache, from its local data files' sizes (hub and builtin
+    data are not counted), at most the cache's cap."""
+    total = 0
+    for src in [*recipe.data.sources, *recipe.data.eval_sources]:
+        p = Path(os.path.expanduser(src.path))
+        if p.is_file():
+            total += p.stat().st_size
+        elif p.is_dir():
+            total += sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+    return min(total * CACHE_BYTES_PER_TEXT_BYTE, data_cache_cap(env))
+
+
+def cache_problems(recipe, out_base: Path, disk_usage=shutil.disk_usage) -> tuple[list, int]:
+    """(problems, bytes to add to the output dir's plan: the cache's need when both are on one disk)."""
+    need = cache_bytes(recipe)
+    base, _ = existing_ancestor(data_cache_dir())
+    if not need or base is None:
+        return [], 0
+    if os.stat(base).st_dev == os.stat(out_base).st_dev:
+        return [], need
+    free = disk_usage(base).free
+    if need > free:
+        return [Problem(level="error", path="data.sources", message=f"the tokenized-data cache ({data_cache_dir()}) "
+                        f"needs about {fmt(need)}, {fmt(free)} free on its disk",
+                        fix=f"free space, or set FINETUNE_CACHE to a directory on a larger disk (or lower "
+                            f"{CACHE_MAX_ENV})")], 0
+    return [], 0
 
 
 def existing_ancestor(path: Path) -> tuple[Path | None, str | None]:
@@ -99,16 +148,22 @@ def output_problems(recipe, arch=None, world: int = 1, disk_usage=shutil.disk_us
     if why:
         return [Problem(level="error", path="output.dir", message=f"cannot write to {base}: {why}",
                         fix="choose a writable output.dir (or fix its permissions / mount)")]
+    foreign = foreign_recipe(out_dir)
+    if foreign:
+        return [Problem(level="error", path="output.dir", message=foreign,
+                        fix="keep your recipe outside the run dir (or move it), or choose another output.dir")]
+    cache_found, cache_here = cache_problems(recipe, base, disk_usage)
     if arch is None:
-        return []
+        return cache_found
     need = planned_bytes(recipe, arch, world)
     # Checkpoints already there count against the plan: they are replaced or pruned as the run goes on.
     have = sizeof(out_dir / "checkpoints") + sizeof(out_dir / "adapter")
     free = disk_usage(base).free
-    if need.total - have > free:
+    if need.total + cache_here - have > free:
+        cache = f", plus the {fmt(cache_here)} tokenized-data cache" if cache_here else ""
         return [Problem(level="error", path="output.dir",
-                        message=f"{fmt(free)} free on the disk of {base}, but the run needs about {fmt(need.total - have)} "
-                                f"({need.copies} checkpoints of {fmt(need.checkpoint)} at the peak, plus the "
-                                f"{fmt(need.adapter)} adapter)",
+                        message=f"{fmt(free)} free on the disk of {base}, but the run needs about "
+                                f"{fmt(need.total + cache_here - have)} ({need.copies} checkpoints of "
+                                f"{fmt(need.checkpoint)} at the peak, plus the {fmt(need.adapter)} adapter{cache})",
                         fix="free space, choose an output.dir on a larger disk, or lower train.keep_checkpoints")]
-    return []
+    return cache_found

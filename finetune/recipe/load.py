@@ -87,6 +87,17 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def _set(node: dict, key: str, value):
+    """A mapping given for a section (`train={max_steps: 5}`) changes the keys it names and keeps the
+    section's others, exactly like `train.max_steps=5`; replacing the section would silently reset every key
+    the recipe set in it to its default."""
+    if isinstance(value, dict) and isinstance(node.get(key), dict):
+        for k, v in value.items():
+            _set(node[key], k, v)
+    else:
+        node[key] = value
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     problems = []
     for text in overrides:
@@ -102,20 +113,34 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 break
             node = node.setdefault(p, {})
         else:
-            node[parts[-1]] = value
+            _set(node, parts[-1], value)
     if problems:
         raise RecipeError(problems, "command line")
     return data
 
 
-def read_yaml(path: str | os.PathLike) -> dict:
-    p = Path(path)
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few KiB; a bigger file is not one (and /dev/zero never ends)
+
+
+def _read_text(p: Path) -> str:
+    """The recipe's text: a regular file (a FIFO or a device would block or never end) of at most 1 MiB."""
     if not p.exists():
         raise RecipeError([f"no such file: {p}"], str(p))
     if p.is_dir():
         raise RecipeError([f"{p} is a directory, expected a recipe YAML file"], str(p))
+    if not p.is_file():
+        raise RecipeError([f"{p} is not a regular file (a pipe or a device?), expected a recipe YAML file"], str(p))
+    with open(p, "rb") as f:
+        raw = f.read(MAX_RECIPE_BYTES + 1)
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise RecipeError([f"larger than {MAX_RECIPE_BYTES >> 20} MiB: not a recipe YAML file"], str(p))
+    return raw.decode("utf-8")
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = _read_text(p)
     except UnicodeDecodeError as e:
         raise RecipeError([f"not UTF-8 text (byte {e.start})"], str(p)) from None
     except OSError as e:

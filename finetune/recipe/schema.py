@@ -13,8 +13,14 @@ from finetune.recipe.contract import contract_problems
 
 
 class _Section(BaseModel):
-    # extra="forbid": a misspelt key is an error, never silently ignored.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # extra="forbid": a misspelt key is an error, never silently ignored. allow_inf_nan=False: an infinite
+    # learning rate, alpha or epoch count (YAML's .inf, or 1e999) is refused here, not found as a NaN adapter.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
+                              allow_inf_nan=False)
+
+
+# Seeds go to torch (a C uint64), Python's random and numpy (uint32): the range all of them accept.
+SEED_MAX = 2**32 - 1
 
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -139,20 +145,20 @@ class DataSpec(_Section):
     """A broken row (bad JSON, missing field, wrong type, empty text): stop (exit 2) or skip and report."""
     max_samples: int | None = Field(None, ge=1)
     """Use at most this many training rows after mixing."""
-    shuffle_seed: int = 0
-    """Seed of the data order (separate from the model seed)."""
+    shuffle_seed: int = Field(0, ge=0, le=SEED_MAX)
+    """Seed of the data order (separate from the model seed), 0 to 2^32-1."""
 
 
 class TrainSpec(_Section):
-    seed: int = 42
-    """Seed for adapter init, dropout and everything else random in training."""
+    seed: int = Field(42, ge=0, le=SEED_MAX)
+    """Seed for adapter init, dropout and everything else random in training, 0 to 2^32-1."""
     micro_batch_size: int = Field(4, ge=1)
     """Rows per forward pass per process."""
     gradient_accumulation_steps: int = Field(1, ge=1)
     """Micro-batches per optimizer step."""
     max_steps: int | None = Field(None, ge=1)
     """Optimizer steps to run; overrides `epochs` when set."""
-    epochs: float = Field(1.0, gt=0)
+    epochs: float = Field(1.0, gt=0, le=1e6)
     """Passes over the training data (when `max_steps` is not set)."""
     learning_rate: float = Field(2e-4, gt=0)
     """Peak learning rate."""
@@ -221,7 +227,7 @@ class DistributedSpec(_Section):
     """Machines taking part."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """Process-group backend: auto picks nccl with CUDA and gloo on CPU."""
-    timeout_minutes: float = Field(30, gt=0)
+    timeout_minutes: float = Field(30, gt=0, le=525_600)
     """How long a collective waits for a rank that stopped answering (without dying) before the job fails.
     A rank that dies is noticed by the launcher within about a second either way."""
 

@@ -1,13 +1,16 @@
 """Checkpoints: adapter + optimizer + scheduler + RNG + data position, never the frozen base.
 
 A checkpoint is written under a temporary name and renamed once every rank has finished, so a visible
-`checkpoints/step-N/` is always complete: its manifest (written last) lists every file with its size, and
-resuming takes the newest checkpoint whose files match it. Old checkpoints are renamed away before they
-are deleted, so a crash mid-delete never leaves a visible, partial one. The adapter inside is in PEFT
+`checkpoints/step-N/` is always complete: its manifest (written last) lists every file with its size and
+SHA-256, and resuming takes the newest checkpoint whose files match it (newer ones that do not are moved
+aside to `corrupt-step-N`). Pruning keeps the newest `keep` checkpoints that are intact and removes the
+rest; old checkpoints are renamed away before they are deleted, so a crash mid-delete never leaves a
+visible, partial one. The manifest also holds the run's fingerprint (finetune.recipe.fingerprint). The adapter inside is in PEFT
 format, full shapes (gathered). Each rank writes its own optimizer and RNG state (sharded under FSDP).
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -18,6 +21,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save as safetensors_bytes
 
+from finetune.recipe import fingerprint as fp
 from finetune.util import atomic
 from finetune.util.errors import explain
 from finetune.util.log import log
@@ -75,7 +79,7 @@ def latest(root: Path, notice=log.warning) -> Path | None:
 
 
 def save(root: Path, step: int, *, rank: int, world: int, barrier, adapter: tuple | None, optimizer, scheduler,
-         data_state: dict, keep: int) -> Path:
+         data_state: dict, keep: int, fingerprint: dict | None = None) -> Path:
     """Collective: every rank calls it. `adapter` is (peft_config, full_state) on rank 0, None elsewhere.
 
     A failed write (disk full, quota) raises OutputWriteError on that rank; the .tmp-* directory is
@@ -95,17 +99,18 @@ def save(root: Path, step: int, *, rank: int, world: int, barrier, adapter: tupl
         barrier()
         if rank == 0:
             atomic.fsync_tree(tmp)
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            files = {str(p.relative_to(tmp)): _file_entry(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
             # The manifest is written last, then the directory is renamed: a crash before the rename leaves
             # only a .tmp-* directory, which is ignored and cleaned; a visible step-N always has everything,
-            # and the sizes let `problems()` notice files that lost data anyway (a disk lying about fsync).
+            # and the sizes and hashes let `problems()` notice files that lost data anyway (a disk lying
+            # about fsync, a bit flip).
             with open(tmp / MANIFEST, "w") as f:
-                json.dump({"step": step, "world_size": world, "data": data_state, "files": files}, f, indent=1)
+                json.dump({"step": step, "world_size": world, "data": data_state, "files": files,
+                           "fingerprint": fingerprint or {}}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             atomic.replace_dir(tmp, final)
-            for _, old in list_checkpoints(root)[:-keep]:
-                atomic.delete_dir(old)
+            prune(root, keep)
     except OSError as e:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -121,36 +126,76 @@ def _rng_state() -> dict:
     return state
 
 
-def problems(path: Path) -> str | None:
+def _sha256(p: Path) -> str:
+    with open(p, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _file_entry(p: Path) -> dict:
+    return {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+
+
+def problems(path: Path, hashes: bool = True) -> str | None:
     """Why `path` is not a complete checkpoint, or None: the manifest must parse and every file it lists
-    must be there with the size it had when written."""
+    must be there with the size and (when `hashes`) the SHA-256 it had when written. Manifests of older
+    versions list sizes only ({name: bytes})."""
     try:
         state = json.loads((path / MANIFEST).read_text())
         files = state["files"]
         state["step"], state["world_size"], state["data"]["cursor"]
-        if not isinstance(files, dict):  # {relative path: size in bytes}
+        if not isinstance(files, dict):  # {relative path: {"bytes": n, "sha256": hex}}
             raise TypeError("files")
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        files = {k: v if isinstance(v, dict) else {"bytes": v} for k, v in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"unreadable manifest ({type(e).__name__})"
-    for name, size in files.items():
+    for name, want in files.items():
         p = path / name
         if not p.is_file():
             return f"missing {name}"
-        if p.stat().st_size != size:
-            return f"{name} has {p.stat().st_size} bytes, the manifest says {size}"
+        if p.stat().st_size != want.get("bytes"):
+            return f"{name} has {p.stat().st_size} bytes, the manifest says {want.get('bytes')}"
+        if hashes and "sha256" in want and _sha256(p) != want["sha256"]:
+            return f"{name} does not have the content it was written with (SHA-256 differs)"
     return None
 
 
-def verify(path: Path, world: int) -> dict:
-    """The manifest of a complete checkpoint written by `world` processes; RuntimeError otherwise."""
+def verify(path: Path, world: int | None = None) -> dict:
+    """The manifest of a complete checkpoint (written by `world` processes when given); RuntimeError
+    otherwise. Resuming compares the process count with the rest of the fingerprint instead."""
     why = problems(path)
     if why:
         raise RuntimeError(f"checkpoint {path} is incomplete: {why}")
     state = json.loads((path / MANIFEST).read_text())
-    if state["world_size"] != world:
+    if world is not None and state["world_size"] != world:
         raise RuntimeError(f"checkpoint {path} was written by {state['world_size']} processes, this run has "
                            f"{world}; optimizer state is sharded per rank")
     return state
+
+
+def prune(root: Path, keep: int):
+    """Keep the newest `keep` intact checkpoints; remove older ones and every damaged one (sizes only, to
+    stay cheap at each save): never a valid checkpoint while keeping an invalid one."""
+    intact, damaged = [], []
+    for _, path in list_checkpoints(root):
+        (damaged if problems(path, hashes=False) else intact).append(path)
+    for path in damaged + intact[:-keep]:
+        atomic.delete_dir(path)
+
+
+def set_aside_damaged(root: Path, notice=log.warning):
+    """Before resuming (main process): checkpoints newer than the newest intact one (full hash check) are
+    moved to `corrupt-step-N` with a notice, so they are never resumed from, pruned in place of valid
+    ones, or mixed with this run's new checkpoints; nothing is deleted."""
+    for _, path in reversed(list_checkpoints(root)):
+        why = problems(path)
+        if not why:
+            return
+        aside = root / f"corrupt-{path.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        if notice:
+            notice(f"resume: {path} is damaged ({why}); moved it to {aside.name} and resuming from the newest "
+                   "intact checkpoint")
 
 
 def load_training_state(path: Path, rank: int, optimizer, scheduler):
@@ -169,3 +214,10 @@ def clean_partial(root: Path):
     if root.is_dir():
         for p in [*root.glob(".tmp-step-*"), *root.glob(".del-step-*")]:
             shutil.rmtree(p, ignore_errors=True)
+
+
+def compare_fingerprint(state: dict, current: dict, path: Path, run_dir: Path) -> list[str]:
+    """The checkpoint's fingerprint against this run's (RecipeError on a defining change); the process count
+    is compared even for manifests written before fingerprints existed."""
+    stored = {**state.get("fingerprint", {}), "processes": json.dumps(state["world_size"])}
+    return fp.compare(stored, current, f"checkpoints/{path.name}", str(run_dir))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,8 @@ from finetune.data.prepare import prepare as prepare_data
 from finetune.plan.attention import CPU_MATH_ATTENTION_MAX_LEN, cpu_math_kernel_possible
 from finetune.recipe import Recipe
 from finetune.recipe.rundir import write_recipe
-from finetune.train import checkpoint
+from finetune.recipe.fingerprint import fingerprint
+from finetune.train import checkpoint, guard, runlock
 from finetune.train.distributed import gather_full_adapter_state, make_accelerator, prepare
 from finetune.train.lora import apply_lora, trainable_report
 from finetune.train.loss import loss_totals
@@ -30,6 +30,7 @@ from finetune.train.metrics import Metrics
 from finetune.train.model import enable_checkpointing, load_model, load_tokenizer
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.step import global_sum, make_scaler, optimizer_step
+from finetune.train.stop import StopSignal
 from finetune.util.errors import RecipeError
 from finetune.util.log import log
 
@@ -70,7 +71,8 @@ def train(recipe: Recipe, run_dir: Path, return_model: bool = False) -> dict:
     notebooks, when return_model)."""
     stop = StopSignal()
     try:
-        return _train(recipe, run_dir, stop, return_model)
+        with runlock.hold(run_dir):  # one run per output dir; a dead holder's lock is released by the kernel
+            return _train(recipe, run_dir, stop, return_model)
     finally:
         stop.restore()
 
@@ -88,6 +90,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     run.model.train()
     run.batches = run.epoch_batches()
     run.scaler = make_scaler(run)
+    stop.armed = True  # until now a signal stopped at once (nothing to checkpoint); now it checkpoints first
     t, rate, last = recipe.train, TokenRate(), {}
     while run.step < run.total_steps:
         out = optimizer_step(run, stop)
@@ -105,6 +108,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
                             grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
                             tokens_per_s=rate.per_second(), **skipped)
             rate.reset()
+        guard.check_step(run, loss, grad_norm, lambda v: global_sum(run.acc, v))  # NaN/inf: stop, never save it
         if t.eval_every and run.step % t.eval_every == 0 and run.eval_batches:
             run.metrics.log(run.step, eval_loss=round(evaluate(run), 6))
         if save_or_stop(run, stop):
@@ -154,10 +158,14 @@ def resume(run: Run) -> None:
     acc = run.acc
     if acc.is_main_process:
         checkpoint.clean_partial(run.ckpt_root)  # leftovers of an interrupted checkpoint write
+        checkpoint.set_aside_damaged(run.ckpt_root)  # newer than the newest intact one: never resumed or pruned
     acc.wait_for_everyone()
     resume_from = resolve_resume(run.recipe.train.resume, run.ckpt_root)
     if resume_from is not None:
-        state = checkpoint.verify(resume_from, acc.num_processes)
+        state = checkpoint.verify(resume_from)
+        # A changed recipe (or process count, or data) is refused before anything is loaded into the model.
+        for line in checkpoint.compare_fingerprint(state, run_fingerprint(run), resume_from, run.run_dir):
+            log.info(f"resume: {line}")
         # Adapter weights go in before sharding: every rank loads the full tensors, FSDP then shards them.
         load_adapter_into(run.model, resume_from / "adapter")
     run.model, run.optimizer = prepare(acc, run.model, run.optimizer)
@@ -237,14 +245,10 @@ def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int
     layout the attention backend supports (data.packing_layout), None for dynamic padding."""
     order = list(examples)
     random.Random(spec.data.shuffle_seed * 1000 + epoch).shuffle(order)
-    mb = spec.train.micro_batch_size
     if layout:
         order = batching.pack(order, spec.data.max_seq_len)
-    global_batches = [order[i: i + mb * world] for i in range(0, len(order) - mb * world + 1, mb * world)]
-    if layout:
-        return [batching.collate_packed(g[rank * mb:(rank + 1) * mb], pad_id, flat=layout == "flat")
-                for g in global_batches]
-    return [batching.collate(g[rank * mb:(rank + 1) * mb], pad_id) for g in global_batches]
+    # Collated lazily, one micro-batch when the loop reaches it (data.batching.EpochBatches).
+    return batching.EpochBatches(order, spec.train.micro_batch_size, world, rank, pad_id, layout)
 
 
 def plan_steps(recipe: Recipe, examples: list, world: int, layout: str | None) -> tuple[int, int]:
@@ -260,30 +264,6 @@ def plan_steps(recipe: Recipe, examples: list, world: int, layout: str | None) -
     return per_epoch, total
 
 
-class StopSignal:
-    """SIGTERM (preemption) or SIGINT: finish the current step, write a checkpoint, exit 0.
-    Every rank gets the signal from the launcher; the flag is also OR-ed across ranks so they agree."""
-
-    def __init__(self):
-        self.signum = None
-        self.previous = {}
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self.previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread (e.g. a notebook worker): no handler, no preemption save
-                pass
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-
-    def requested(self, acc) -> bool:
-        return global_sum(acc, 1.0 if self.signum is not None else 0.0) > 0
-
-    def restore(self):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-
 def resolve_resume(resume, ckpt_root: Path) -> Path | None:
     if resume is False:
         if checkpoint.latest(ckpt_root):
@@ -293,8 +273,9 @@ def resolve_resume(resume, ckpt_root: Path) -> Path | None:
     if resume in ("auto", True):
         return checkpoint.latest(ckpt_root)
     p = Path(resume)
-    if not (p / checkpoint.MANIFEST).exists():
-        raise RecipeError([f"train.resume: {resume} is not a complete checkpoint directory"])
+    why = checkpoint.problems(p) if (p / checkpoint.MANIFEST).exists() else "no manifest"
+    if why:
+        raise RecipeError([f"train.resume: {resume} is not a complete checkpoint directory ({why})"])
     return p
 
 
@@ -318,7 +299,13 @@ def save_checkpoint(run: Run):
     checkpoint.save(run.ckpt_root, run.step, rank=acc.process_index, world=acc.num_processes,
                     barrier=acc.wait_for_everyone, adapter=(cfg, state) if acc.is_main_process else None,
                     optimizer=run.optimizer, scheduler=run.scheduler,
-                    data_state={"epoch": run.epoch, "cursor": run.cursor}, keep=t.keep_checkpoints)
+                    data_state={"epoch": run.epoch, "cursor": run.cursor}, keep=t.keep_checkpoints,
+                    fingerprint=run_fingerprint(run))
+
+
+def run_fingerprint(run: Run) -> dict:
+    """What this run's checkpoints were trained with (finetune.recipe.fingerprint)."""
+    return fingerprint(run.recipe, run.acc.num_processes, run.prepared.stats)
 
 
 def export_adapter(run: Run):
@@ -326,6 +313,7 @@ def export_adapter(run: Run):
     acc = run.acc
     state = gather_full_adapter_state(acc, run.model)
     if acc.is_main_process:
+        guard.assert_finite_adapter(state)
         cfg = acc.unwrap_model(run.model).peft_config["default"]
 
         def build(out: Path):

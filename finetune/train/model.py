@@ -92,8 +92,11 @@ def _check_weights_format(path: str, allow_pickle: bool):
 def load_tokenizer(spec: ModelSpec, path: str | None = None):
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path or resolve_name(spec.name), revision=spec.revision,
-                                        trust_remote_code=spec.trust_remote_code)
+    try:
+        tok = AutoTokenizer.from_pretrained(path or resolve_name(spec.name), revision=spec.revision,
+                                            trust_remote_code=spec.trust_remote_code)
+    except OSError as e:  # not on disk and not in the HF cache (no network), as load_model reports it
+        raise RecipeError([f"model.name: cannot load the tokenizer of '{spec.name}': {str(e).splitlines()[0]}"]) from None
     if tok.pad_token is None:  # batching needs a pad id; padded positions are masked out of the loss anyway
         tok.pad_token = tok.eos_token
     return tok

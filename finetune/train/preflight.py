@@ -49,12 +49,23 @@ def cuda_facts() -> tuple[int, bool, int | None]:
             torch.cuda.get_device_properties(0).total_memory)
 
 
+def _path_like(name: str) -> bool:
+    """A local path, not a hub id (`org/name`): transformers would read a file there as a config or send a
+    missing path to the hub as a malformed repository id."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.path.isfile(os.path.expanduser(name))
+
+
 def model_problems(r: Recipe) -> tuple[list[Problem], object]:
     """Problems found from the model's shapes; also returns the Arch (or None)."""
     from finetune.plan.archs import resolve
 
+    name = r.model.name
+    if _path_like(name) and not os.path.isdir(os.path.expanduser(name)):
+        what = "is a file" if os.path.exists(os.path.expanduser(name)) else "does not exist"
+        return [Problem(level="error", path="model.name", message=f"{name} {what}; a local model is a directory "
+                        "with config.json and weights", fix="give that directory, or a hub id such as org/name")], None
     try:
-        arch, _ = resolve(r.model.name)
+        arch, _ = resolve(name)
     except (ValueError, OSError) as e:
         return [Problem(level="warning", path="model.name", message=f"cannot read its shapes: {e}",
                         fix="put the model in the HF cache or give a local directory; memory is not checked")], None

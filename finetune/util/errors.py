@@ -74,6 +74,6 @@ def exit_code(main: Callable[[list[str]], int | None], argv: list[str]) -> int:
     except OutputWriteError as e:  # disk full or unwritable mid-run: the message says what was kept
         print(f"error: {e.strerror}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # Ctrl-C twice, or a stop signal before training started
+        print(f"interrupted ({e})" if str(e) else "interrupted", file=sys.stderr)
         return 130

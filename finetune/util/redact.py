@@ -7,6 +7,7 @@ up in error messages ("got '...'") and in the resolved recipe. Writers pass thei
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -29,9 +30,19 @@ def _looks_secret(value: str) -> bool:
     return classes >= 2
 
 
+def _escaped_forms(value: str) -> set[str]:
+    """The value as it appears inside repr()/ascii() (error messages' "got '...'") and JSON strings: a
+    secret holding a backslash, a quote or a non-ASCII character is printed escaped, not verbatim."""
+    return {value, repr(value)[1:-1], ascii(value)[1:-1], json.dumps(value)[1:-1],
+            json.dumps(value, ensure_ascii=False)[1:-1]}
+
+
 def secret_values(env=None) -> list[str]:
     env = os.environ if env is None else env
-    found = {v for k, v in env.items() if SECRET_NAME.search(k) and _looks_secret(v)}
+    found = set()
+    for k, v in env.items():
+        if SECRET_NAME.search(k) and _looks_secret(v):
+            found |= _escaped_forms(v)
     return sorted(found, key=len, reverse=True)  # longest first: a secret containing another is masked whole
 
 

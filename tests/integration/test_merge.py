@@ -136,16 +136,17 @@ def test_output_safety_and_idempotence(tiny_run, tmp_path, capsys):
     out = tmp_path / "m"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check"]) == 2
-    assert "--force" in capsys.readouterr().err and (out / "notes.txt").exists()
-    assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check", "--force"]) == 0
-    assert not (out / "notes.txt").exists()
+    assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check", "--force"]) == 2
+    assert "not written by finetune merge" in capsys.readouterr().err and (out / "notes.txt").exists()
+    (out / "notes.txt").unlink()  # an empty directory may be written into
+    assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check"]) == 0
     first = {p.name: p.read_bytes() for p in out.iterdir()}
     assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check"]) == 0  # same inputs: up to date
     assert "up to date" in capsys.readouterr().out
     assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check", "--force"]) == 0
     assert {p.name: p.read_bytes() for p in out.iterdir()} == first  # byte-identical re-run
     assert cli.main(["merge", str(tiny_run), "--output", str(out), "--no-check", "--dtype", "fp32"]) == 2  # different merge
+    assert "--force" in capsys.readouterr().err
 
 
 def test_default_output_is_run_dir_merged(tiny_run, tmp_path):

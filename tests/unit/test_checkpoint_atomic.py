@@ -58,7 +58,7 @@ def test_keep_prunes_and_latest_is_newest(tmp_path):
     assert C.latest(tmp_path) == tmp_path / "step-3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]  # no .tmp-/.del- leftovers
     manifest = json.loads((tmp_path / "step-3" / C.MANIFEST).read_text())
-    assert manifest["files"]["optimizer-rank0.pt"] == (tmp_path / "step-3" / "optimizer-rank0.pt").stat().st_size
+    assert manifest["files"]["optimizer-rank0.pt"]["bytes"] == (tmp_path / "step-3" / "optimizer-rank0.pt").stat().st_size
     assert_every_visible_checkpoint_loads(tmp_path)
 
 
@@ -179,3 +179,27 @@ def test_publish_dir_replaces_whole_or_not_at_all(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
     C.publish_dir(final, lambda d: (d / "b.txt").write_text("three"))
     assert sorted(p.name for p in final.iterdir()) == ["b.txt"]
+
+
+def test_pruning_keeps_valid_checkpoints_over_damaged_ones(tmp_path):
+    """A damaged checkpoint (here truncated) never survives pruning in place of a valid older one."""
+    for step in (1, 2):
+        save(tmp_path, step)
+    with open(tmp_path / "step-2" / "scheduler.pt", "r+b") as f:
+        f.truncate(10)
+    save(tmp_path, 3)
+    assert [s for s, _ in C.list_checkpoints(tmp_path)] == [1, 3]
+    assert_every_visible_checkpoint_loads(tmp_path)
+
+
+def test_same_size_corruption_is_found_by_hash_and_set_aside(tmp_path):
+    for step in (1, 2):
+        save(tmp_path, step)
+    f = tmp_path / "step-2" / "adapter" / "adapter_model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 1
+    f.write_bytes(bytes(data))
+    notices = []
+    C.set_aside_damaged(tmp_path, notice=notices.append)
+    assert "SHA-256 differs" in notices[0] and (tmp_path / "corrupt-step-2").is_dir()
+    assert C.latest(tmp_path) == tmp_path / "step-1"

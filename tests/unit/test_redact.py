@@ -4,6 +4,7 @@ is tests/integration/test_security.py."""
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,19 @@ def test_cli_error_messages_do_not_echo_a_pasted_token():
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "train.seed" in out.stderr
     assert HF not in out.stderr + out.stdout and "***" in out.stderr
+
+
+def test_secrets_that_repr_or_json_escape_are_masked_in_their_escaped_form(monkeypatch, capsys):
+    """A secret with a backslash, a quote or a non-ASCII character is printed escaped by repr() (an error's
+    "got '...'") and by JSON; the escaped form is masked as well as the raw one."""
+    from finetune import cli
+
+    secret = 'Pa\\ss"w\u00f6rd-42'  # a backslash, a double quote, a non-ASCII character
+    env = {"DB_PASSWORD": secret}
+    for shown in (secret, repr(secret), ascii(secret), json.dumps(secret), json.dumps(secret, ensure_ascii=False)):
+        out = X.redact(f"got {shown}!", env)
+        assert "***" in out and "rd-42" not in out and "Pa" not in out, (shown, out)
+    monkeypatch.setenv("DB_PASSWORD", secret)
+    assert cli.main(["validate", str(ROOT / "recipes" / "tiny_cpu.yaml"), f"train.seed={secret}"]) == 2
+    err = capsys.readouterr().err
+    assert "train.seed" in err and "***" in err and "w\\xf6rd" not in err and "Pa\\\\ss" not in err

@@ -1,0 +1,71 @@
+"""Stop signals: what a scheduler, a closed terminal or Ctrl-C means for a run.
+
+SIGTERM (preemption), SIGINT (Ctrl-C), SIGHUP (the terminal or ssh session closed) and SIGUSR1 (many
+schedulers' warning before the kill, e.g. SLURM's `--signal=USR1@120`) all mean: finish the current step,
+write a checkpoint, exit 0. The flag is OR-ed across ranks so they all stop at the same step.
+
+Before training has started (loading, data preparation, resume) there is nothing to checkpoint, so a signal
+stops the process at once (KeyboardInterrupt: exit 130) instead of being noticed only at the first step.
+A second Ctrl-C while a stop is pending exits at once as well: the previous checkpoint is intact (a
+checkpoint being written is never made visible half-done).
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
+                     if hasattr(signal, name))
+
+
+class StopSignal:
+    """Installs the handlers (main thread only) and remembers the first stop signal in `signum`."""
+
+    def __init__(self):
+        self.signum = None
+        self.armed = False  # set when the training loop starts: from then on a signal means checkpoint-and-stop
+        self.previous = {}
+        for sig in STOP_SIGNALS:
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread (e.g. a notebook worker): no handler, no preemption save
+                pass
+
+    def _handle(self, signum, frame):
+        if signum == getattr(signal, "SIGHUP", None):
+            _detach_from_closed_terminal()
+        if not self.armed:
+            raise KeyboardInterrupt(f"signal {signum} before training started")
+        if self.signum is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt("second Ctrl-C")
+        # Nothing is printed here: a print interrupted by a handler that prints raises "reentrant call".
+        self.signum = self.signum or signum
+
+    def requested(self, acc) -> bool:
+        """Whether any rank was signalled (collective when there are several processes)."""
+        flag = 1.0 if self.signum is not None else 0.0
+        if acc.num_processes == 1:
+            return flag > 0
+        import torch
+
+        t = torch.tensor([flag], dtype=torch.float64, device=acc.device)
+        return float(acc.reduce(t, reduction="sum").item()) > 0
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _detach_from_closed_terminal():
+    """After a hangup, writing to the terminal fails (EIO) and would crash the checkpoint that follows:
+    send what was going to the closed terminal to /dev/null. Redirected output (a log file) is kept."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in (1, 2):
+            try:
+                if os.isatty(fd):
+                    os.dup2(null, fd)
+            except OSError:
+                pass
+    finally:
+        os.close(null)
