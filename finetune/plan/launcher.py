@@ -122,7 +122,9 @@ SHIPPED = {
     "configs/ddp.yaml": ("recipes/llama3_8b_qlora.yaml", ["distributed.strategy=ddp", "distributed.num_processes=2"],
                          2, 1, False),
     "configs/fsdp.yaml": ("recipes/llama3_8b_qlora.yaml", _FSDP_BASE, 2, 1, False),
-    "configs/fsdp1.yaml": ("recipes/llama3_8b_qlora.yaml", _FSDP_BASE + ["fsdp.version=1"], 2, 1, False),
+    # FSDP1 flattens one dtype per wrapped module: fp32 LoRA needs the frozen weights in fp32 too.
+    "configs/fsdp1.yaml": ("recipes/llama3_8b_qlora.yaml", _FSDP_BASE + ["fsdp.version=1", "model.dtype=float32"],
+                           2, 1, False),
     "configs/multi_node.yaml": ("recipes/llama3_70b_qlora.yaml", ["distributed.num_processes=16",
                                 "distributed.num_machines=2", "fsdp.cpu_offload=false"], 16, 2, False),
     "configs/cpu_fsdp.yaml": ("recipes/tiny_cpu_fsdp.yaml", [], 2, 1, True),

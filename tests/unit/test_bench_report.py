@@ -144,7 +144,7 @@ def test_main_writes_results_and_prints_json_last(monkeypatch, tmp_path, capsys)
     assert "## 1. Training loop throughput" in text
     assert "| finetune, torch's SDPA kernel choice | 474.8 |" in text  # the ablation arm: 0.986 x 481.5
     assert "With torch's own kernel choice the ratio is 0.986." in text
-    assert "## 7. Loss memory" in text and "Full / chunked: **23.1x**" in text
+    assert "## 8. Loss memory" in text and "Full / chunked: **23.1x**" in text
     assert last["loss_memory_ratio"] == 23.1
 
 
