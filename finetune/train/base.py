@@ -72,6 +72,10 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
     if ckpt.prequantized and bnb is None:
         raise RecipeError([f"model.name: {path} is a pre-quantized 4-bit checkpoint; set quantization.mode "
                            "to its type (nf4 or fp4)"])
+    if ckpt.prequantized:
+        from finetune.train.prequant import check_stored_config
+
+        check_stored_config(config, bnb)
     model, quantizer = skeleton(path, config, dtype, bnb, ckpt.prequantized, attn, trust)
     stream = Stream(ckpt, placement, dtype)
     for module, pname in tag_parameters(model, ckpt):

@@ -21,6 +21,10 @@ def resolve_name(name: str) -> str:
     """builtin:* -> the local directory the project builds; anything else is passed to transformers."""
     if name.startswith("builtin:"):
         return str(builtin_dir(name, "model.name"))
+    if name.startswith("synthetic:"):
+        from finetune.train.synthetic import synthetic_dir
+
+        return str(synthetic_dir(name))
     if os.path.isdir(os.path.expanduser(name)):
         return str(Path(name).expanduser().resolve())
     return name

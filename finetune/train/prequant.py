@@ -1,0 +1,34 @@
+"""Pre-quantized 4-bit checkpoints: the base quantized once and written in the format of the `*-bnb-4bit`
+repositories (packed weights plus each layer's quantization state in the safetensors, the
+BitsAndBytesConfig in config.json), which the streaming loader then reads without quantizing again.
+The writing is transformers' own (`save_pretrained` of a bitsandbytes 4-bit model)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from finetune.recipe import ModelSpec, QuantizationSpec
+from finetune.util.errors import RecipeError
+
+
+def write_prequantized(spec: ModelSpec, quant: QuantizationSpec, out: Path) -> Path:
+    """Quantize `spec`'s base per `quant` (one process, streamed) and write it with its tokenizer to `out`."""
+    from finetune.train.model import load_model, load_tokenizer
+
+    if quant.mode not in ("nf4", "fp4"):
+        raise RecipeError([f"quantization.mode: {quant.mode}: only 4-bit (nf4, fp4) bases are written pre-quantized"])
+    model = load_model(spec, quant, quiet=True)
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(spec).save_pretrained(out)
+    return out
+
+
+def check_stored_config(config, bnb) -> None:
+    """A pre-quantized checkpoint is read as stored: the recipe's 4-bit settings must be the stored ones."""
+    stored = getattr(config, "quantization_config", None) or {}
+    stored = stored if isinstance(stored, dict) else stored.to_dict()
+    ours = bnb.to_dict()
+    fields = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage")
+    bad = [f for f in fields if f in stored and str(stored[f]) != str(ours.get(f))]
+    if bad:
+        raise RecipeError([f"quantization: the checkpoint is pre-quantized with {f}={stored[f]}, the recipe asks "
+                           f"for {ours.get(f)}; set the recipe to match" for f in bad])
