@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from finetune.plan import load
 from finetune.plan.archs import Arch, resolve
 from finetune.plan.attention import uses_cpu_math_kernel
 from finetune.util.units import GiB, fmt
@@ -244,6 +245,7 @@ class Plan:
     source: str
     breakdown: dict = field(default_factory=dict)  # GPU bytes per device, by category
     cpu: dict = field(default_factory=dict)  # CPU bytes per machine, by phase
+    load_gpu: int = 0  # GPU bytes per device while the base loads (plan/load.py)
     notes: list = field(default_factory=list)
 
     @property
@@ -262,6 +264,7 @@ class Plan:
         return {"model": self.setup.model, "source": self.source, "gpu_bytes_per_device": self.gpu_bytes_per_device,
                 "cpu_bytes_peak": self.cpu_bytes_peak, "cpu_peak_phase": max(self.cpu, key=self.cpu.get),
                 "breakdown": dict(self.breakdown), "cpu_bytes": dict(self.cpu), "fits": self.fits(),
+                "gpu_bytes_loading": self.load_gpu,
                 "gpu_memory": self.setup.gpu_memory, "params": self.arch.params(),
                 "trainable_params": sum(lora_tensor_sizes(self.arch, self.setup)), "notes": list(self.notes),
                 "setup": {k: v for k, v in asdict(self.setup).items()}}
@@ -315,6 +318,9 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     else:
         bd["framework_overhead"] = 0
     p.cpu = cpu_phases(arch, s, w, opt, grads)
+    if s.device == "cuda":
+        held = load.process_bytes(arch, s, w, shard, DTYPE_BYTES, reader=True)
+        p.load_gpu = int(held * (1 + FRAGMENTATION)) + CUDA_CONTEXT + (NCCL_BUFFERS if s.world > 1 else 0)
     _notes(p, w)
     return p
 
@@ -325,15 +331,8 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
     base = procs * PROCESS_RAM
     quantized = w["base_4bit"] + w["quant_constants"] + w["unquantized"]
     shard_bf16 = min(SHARD_FILE, arch.params() * 2)
-    loaders = 1 if (s.strategy == "fsdp" and s.cpu_ram_efficient_loading) or procs == 1 else procs
-    # A loader reads one checkpoint shard at a time; on the FSDP path it also holds the quantized model
-    # until the shards are handed out. Without low_cpu_mem_usage a random-init full-precision model
-    # comes first (transformers #31577), once per loading process.
-    held = quantized if s.strategy == "fsdp" else 0
-    load = loaders * (shard_bf16 + held)
-    if not s.low_cpu_mem_usage:
-        load += loaders * arch.params() * DTYPE_BYTES[s.model_dtype]
-    phases = {"loading": base + load}
+    # The streaming loader: one reader per machine, one tensor at a time (plan/load.py).
+    phases = {"loading": load.machine_bytes(arch, s, w, _shards(s), DTYPE_BYTES, PROCESS_RAM)}
     machine_share = s.per_machine / s.world
     if s.offload:
         opt_total = (opt["optimizer_8bit"] + opt["optimizer_32bit"]) * s.world
@@ -368,6 +367,8 @@ def render(p: Plan) -> str:
              + f", micro-batch {s.micro_batch} x seq {s.seq_len}, checkpointing {'on' if s.checkpointing else 'off'}",
              f"GPU memory per device: {fmt(p.gpu_bytes_per_device)}"]
     lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.breakdown.items()]
+    if p.load_gpu:
+        lines.append(f"GPU memory per device while loading: {fmt(p.load_gpu)}")
     phase = max(p.cpu, key=p.cpu.get)
     lines.append(f"CPU RAM per machine: {fmt(p.cpu_bytes_peak)} peak ({phase})")
     lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.cpu.items()]

@@ -58,6 +58,8 @@ def plan_block(path: str | Path, text: str | None = None) -> list[str]:
              f"#   fsdp buffers {fmt(bd['fsdp_buffers'])} | workspace+overhead "
              f"{fmt(bd['framework_overhead'] + bd['dequant_workspace'])}",
              f"# CPU RAM:     {fmt(p.cpu_bytes_peak)} peak per machine ({max(p.cpu, key=p.cpu.get)})",
+             *([f"# loading:     {fmt(p.load_gpu)} per GPU, {fmt(p.cpu['loading'])} CPU RAM per machine "
+                "(streamed, shard by shard)"] if p.load_gpu else []),
              END]
     return lines
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.train.load import Checkpoint, Placement, Stream, materialize
+from finetune.train.load import Checkpoint, Placement, Stream, check_stored_config, materialize
 from finetune.util.errors import RecipeError
 
 
@@ -73,8 +73,6 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
         raise RecipeError([f"model.name: {path} is a pre-quantized 4-bit checkpoint; set quantization.mode "
                            "to its type (nf4 or fp4)"])
     if ckpt.prequantized:
-        from finetune.train.prequant import check_stored_config
-
         check_stored_config(config, bnb)
     model, quantizer = skeleton(path, config, dtype, bnb, ckpt.prequantized, attn, trust)
     stream = Stream(ckpt, placement, dtype)

@@ -266,6 +266,10 @@ def prepare(accelerator, model, optimizer):
         # The streaming loader left the base as placeholders: FSDP shards meta tensors, and the weights
         # arrive shard by shard (FSDP1 while it wraps each module, FSDP2 after fully_shard; train/base.py).
         base.before_wrap(model)
+        # Accelerate's own rank-0 loading would broadcast rank 0's placeholders: the streaming loader
+        # already is the one-reader path, so its broadcasts are off (all ranks receive the same weights).
+        plugin.cpu_ram_efficient_loading = False
+        plugin.sync_module_states = False
         if plugin.fsdp_version == 1:
             plugin.param_init_fn = base.fsdp1_param_init
     out = accelerator.prepare(model, optimizer)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from finetune.util.errors import RecipeError
+
 PLACEMENTS = ("whole", "fsdp1", "fsdp2")
 _QS_PREFIX = "quant_state.bitsandbytes__"
 
@@ -71,9 +73,9 @@ class Checkpoint:
 
         # A fresh handle per tensor: safetensors maps the whole file, and every page a read touches stays
         # in this process's RSS until the map closes; reading the model through one open handle would end
-        # with the whole checkpoint counted in rank 0's RSS.
+        # with the whole checkpoint counted in rank 0's RSS. get_tensor copies out of the map.
         with safe_open(self.where[key], framework="pt") as h:
-            return h.get_tensor(key).clone()
+            return h.get_tensor(key)
 
     def quant_stats(self, key: str) -> dict:
         """The stored quantization state of the packed weight `key` (a `*-bnb-4bit` checkpoint)."""
@@ -154,3 +156,15 @@ def materialize(stream: Stream, module, pname: str):
         return bnb.nn.Params4bit(packed, requires_grad=False, quant_state=qs, module=module, bnb_quantized=True,
                                  **module._finetune_q)
     return torch.nn.Parameter(stream.plain(key, module._finetune_dtypes[pname]), requires_grad=False)
+
+
+def check_stored_config(config, bnb) -> None:
+    """A pre-quantized checkpoint is read as stored: the recipe's 4-bit settings must be the stored ones."""
+    stored = getattr(config, "quantization_config", None) or {}
+    stored = stored if isinstance(stored, dict) else stored.to_dict()
+    ours = bnb.to_dict()
+    fields = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage")
+    bad = [f for f in fields if f in stored and str(stored[f]) != str(ours.get(f))]
+    if bad:
+        raise RecipeError([f"quantization: the checkpoint is pre-quantized with {f}={stored[f]}, the recipe asks "
+                           f"for {ours.get(f)}; set the recipe to match" for f in bad])

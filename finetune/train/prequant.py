@@ -20,15 +20,3 @@ def write_prequantized(spec: ModelSpec, quant: QuantizationSpec, out: Path) -> P
     model.save_pretrained(out, safe_serialization=True)
     load_tokenizer(spec).save_pretrained(out)
     return out
-
-
-def check_stored_config(config, bnb) -> None:
-    """A pre-quantized checkpoint is read as stored: the recipe's 4-bit settings must be the stored ones."""
-    stored = getattr(config, "quantization_config", None) or {}
-    stored = stored if isinstance(stored, dict) else stored.to_dict()
-    ours = bnb.to_dict()
-    fields = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage")
-    bad = [f for f in fields if f in stored and str(stored[f]) != str(ours.get(f))]
-    if bad:
-        raise RecipeError([f"quantization: the checkpoint is pre-quantized with {f}={stored[f]}, the recipe asks "
-                           f"for {ours.get(f)}; set the recipe to match" for f in bad])
