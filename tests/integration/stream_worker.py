@@ -70,6 +70,9 @@ def main(argv: list[str]) -> int:
         def refuse(*a, **k):
             raise AssertionError("quantize_4bit was called")
         F.quantize_4bit = refuse
+        from finetune.train import load
+
+        load.quantize = refuse  # the loader's own (piecewise) quantization
 
     from finetune.recipe import DistributedSpec, FsdpSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
     from finetune.train import distributed as D

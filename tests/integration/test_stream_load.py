@@ -98,6 +98,7 @@ def test_prequantized_checkpoint_loads_without_quantizing(tmp_path, model_dir, r
     import bitsandbytes.functional as F
 
     from finetune.recipe import ModelSpec, QuantizationSpec
+    from finetune.train import load
     from finetune.train.model import load_model
     from finetune.train.prequant import write_prequantized
 
@@ -108,6 +109,7 @@ def test_prequantized_checkpoint_loads_without_quantizing(tmp_path, model_dir, r
     def refuse(*a, **k):
         raise AssertionError("quantize_4bit was called")
     monkeypatch.setattr(F, "quantize_4bit", refuse)
+    monkeypatch.setattr(load, "quantize", refuse)  # the loader's own (piecewise) quantization
     one = load_model(ModelSpec(name=str(pre), gradient_checkpointing=False), QuantizationSpec(), quiet=True)
     got = stream_worker.fsdp2_holdings(one)
     for name, whole in ref.items():
