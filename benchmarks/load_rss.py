@@ -52,7 +52,14 @@ def held_bytes(model) -> int:
 
 def worker(out: str, model_dir: str, version: int) -> None:
     """One process of one configuration (see the module doc); writes OUT/rank{R}.json."""
-    import torch  # noqa: F401 - every import first: the baseline is the RSS after imports
+    # Every library first (the project imports them lazily): the baseline is the RSS after imports.
+    import accelerate  # noqa: F401
+    import bitsandbytes  # noqa: F401
+    import peft  # noqa: F401
+    import safetensors.torch  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
 
     from finetune.recipe import DistributedSpec, FsdpSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
     from finetune.train import distributed as D

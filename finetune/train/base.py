@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.train.load import Checkpoint, Placement, Stream, check_stored_config, materialize
+from finetune.train.load import Checkpoint, Placement, Stream, check_stored_config, materialize, release_freed_memory
 from finetune.util.errors import RecipeError
 
 
@@ -80,6 +80,7 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
         module._finetune_stream = stream
         if placement.mode == "whole":
             module._parameters[pname] = materialize(stream, module, pname)
+            release_freed_memory()
         else:
             module._parameters[pname] = placeholder(module, pname, (0,), "cpu")
     if getattr(config, "tie_word_embeddings", False):
@@ -131,6 +132,7 @@ def fsdp1_param_init(module):
     for pname in getattr(module, "_finetune_keys", {}):
         if module._parameters[pname].is_meta:
             module._parameters[pname] = materialize(module._finetune_stream, module, pname)
+    release_freed_memory()  # the previous module's whole copy, which FSDP1 has sharded and dropped
     return module
 
 
@@ -171,3 +173,4 @@ def fill_fsdp2_shards(model) -> None:
         for m in [fp._module_info.module, *fp._module_info.shared_modules]:
             m._parameters[fp._module_info.param_name] = new
         fp.reset_sharded_param()
+        release_freed_memory()
