@@ -1,7 +1,7 @@
 """`python -m benchmarks [--json]`: every row, each in a fresh interpreter, then benchmarks/RESULTS.md.
 
 Rows (one module each): throughput (1), packing (2), merge_rss (3), estimate_error (4), checkpointing (5),
-startup (6). With --json the last line of stdout is one JSON object: the four goal figures first, then
+startup (6), load_rss (7). With --json the last line of stdout is one JSON object: the four goal figures first, then
 everything measured. Progress goes to stderr.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ ROWS = {
     "estimate_error": ({}, {}, 600),
     "checkpointing": ({"reps": 5, "warmup": 5, "steps": 10}, {"reps": 1, "warmup": 2, "steps": 2}, 900),
     "startup": ({"first_step_reps": 3, "validate_reps": 5}, {"first_step_reps": 1, "validate_reps": 1}, 600),
+    "load_rss": ({}, {"layers": 4}, 1800),
 }
 DEFAULT_OUT = common.ROOT / "benchmarks" / "RESULTS.md"
 

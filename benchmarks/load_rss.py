@@ -135,8 +135,26 @@ def run(layers: int = 22) -> dict:
     return out
 
 
+def table(r: dict) -> str:
+    mib = 2**20
+    lines = [f"Model `{r['model']}` ({r['checkpoint_bytes'] / 1e9:.2f} GB in bf16).", "",
+             "| run | rank | peak growth | model bytes held | planned (reader) |", "|---|---|---|---|---|"]
+    for label, run_ in r["runs"].items():
+        for x in run_["ranks"]:
+            plan = f"{run_['planned_reader'] / mib:.0f} MiB" if x["rank"] == 0 else ""
+            lines.append(f"| {label} | {x['rank']} | {x['growth'] / mib:.0f} MiB | {x['held_bytes'] / mib:.0f} MiB "
+                         f"| {plan} |")
+    lines += ["", f"2 processes / 1 process, worst rank: FSDP2 {r['FSDP2 x2 ratio']:.3f}, FSDP1 "
+              f"{r['FSDP1 x2 ratio']:.3f} (goal <= 0.6); 1 process growth / model bytes "
+              f"{r['single_growth_over_model']:.3f} (goal <= 1.5); planner error (reader) {r['plan_error']:.3f} "
+              "(goal <= 0.15)."]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     else:
-        print(json.dumps(run(), indent=1, default=str))
+        result = run()
+        print(table(result))
+        print(json.dumps(result, default=str))

@@ -14,7 +14,9 @@ _OPS = {">=": operator.ge, "<": operator.lt, "<=": operator.le}
 # other figures worth a key of their own in the JSON summary: key -> (row, key in that row)
 EXTRA = {"checkpointing_step_time_ratio": ("checkpointing", "step_time_ratio"),
          "checkpointing_flops_ratio": ("checkpointing", "flops_ratio"),
-         "first_step_s": ("startup", "first_step_s"), "validate_70b_s": ("startup", "validate_70b_s")}
+         "first_step_s": ("startup", "first_step_s"), "validate_70b_s": ("startup", "validate_70b_s"),
+         "load_rss_ratio_2_over_1": ("load_rss", "ratio_2_over_1"),
+         "load_rss_single_over_model": ("load_rss", "single_growth_over_model")}
 LOADED = 0.5  # load average per core above which timings are flagged as taken under load
 
 
@@ -105,7 +107,10 @@ def summary_table(results: dict) -> str:
              "| 6 | time to first step, tiny recipe | "
              + _row_cell(rows, "startup", lambda: f"**{_f(s['first_step_s'])} s**") + " | - | |",
              "| 6 | `validate` of the 70B recipe | "
-             + _row_cell(rows, "startup", lambda: f"**{_f(s['validate_70b_s'])} s**") + " | - | |"]
+             + _row_cell(rows, "startup", lambda: f"**{_f(s['validate_70b_s'])} s**") + " | - | |",
+             "| 7 | loading, peak RSS growth per process: 2 FSDP / 1 process; 1 process / model bytes | "
+             + _row_cell(rows, "load_rss", lambda: f"**{_f(rows['load_rss']['ratio_2_over_1'])}**; "
+                         f"**{_f(rows['load_rss']['single_growth_over_model'])}**") + " | <= 0.6; <= 1.5 | |"]
     return "\n".join(lines)
 
 

@@ -132,12 +132,22 @@ def startup(r: dict) -> list[str]:
             f"| validate, 70B recipe | {_f(r['validate_70b_s'])} s | {_samples(s['validate_70b_s'], 3)} |"]
 
 
+def load_rss(r: dict) -> list[str]:
+    from benchmarks.load_rss import table
+
+    return ["Fresh processes (torchrun for 2, gloo) load the synthetic model through the streaming loader, "
+            "attach LoRA and `prepare` (benchmarks/load_rss.py); each reports its peak RSS (VmHWM) over its "
+            "RSS after importing every library. `planned` is the planner's load phase for the reader.", "",
+            table(r)]
+
+
 SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("packing", "## 2. Packing", packing),
             ("merge_rss", "## 3. Merge memory", merge_rss),
             ("estimate_error", "## 4. Memory planner against measurement", estimate_error),
             ("checkpointing", "## 5. Gradient checkpointing", checkpointing),
-            ("startup", "## 6. Startup", startup)]
+            ("startup", "## 6. Startup", startup),
+            ("load_rss", "## 7. Loading memory", load_rss)]
 
 
 def sections(rows: dict) -> list[str]:

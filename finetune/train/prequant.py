@@ -16,7 +16,16 @@ def write_prequantized(spec: ModelSpec, quant: QuantizationSpec, out: Path) -> P
 
     if quant.mode not in ("nf4", "fp4"):
         raise RecipeError([f"quantization.mode: {quant.mode}: only 4-bit (nf4, fp4) bases are written pre-quantized"])
+    import shutil
+    import tempfile
+
     model = load_model(spec, quant, quiet=True)
-    model.save_pretrained(out, safe_serialization=True)
-    load_tokenizer(spec).save_pretrained(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:  # written beside, renamed when complete: a failed write leaves no half checkpoint at `out`
+        model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(spec).save_pretrained(tmp)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
