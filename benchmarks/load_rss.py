@@ -74,7 +74,9 @@ def worker(out: str, model_dir: str, version: int) -> None:
     acc = D.make_accelerator(DistributedSpec(strategy="fsdp" if world > 1 else "single"),
                              FsdpSpec(version=version), train, "bfloat16")
     spec = ModelSpec(name=model_dir, dtype="bfloat16", gradient_checkpointing=False)
-    model = apply_lora(load_model(spec, QuantizationSpec(), placement_for(acc), quiet=True), LoraSpec(dtype="bfloat16"), seed=0)
+    # bf16 adapters: FSDP1 flattens one dtype per wrapped module (model.dtype here).
+    model = apply_lora(load_model(spec, QuantizationSpec(), placement_for(acc), quiet=True),
+                       LoraSpec(dtype="bfloat16"), seed=0)
     model, _ = D.prepare(acc, model, build_optimizer(model.named_parameters(), train))
     result = {"rank": acc.process_index, "base_rss": base, "peak_rss": _status_kib("VmHWM"),
               "growth": _status_kib("VmHWM") - base, "held_bytes": held_bytes(model)}
@@ -87,7 +89,7 @@ def _launch(out: Path, model_dir: str, procs: int, version: int) -> list[dict]:
     launcher = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     f"--nproc_per_node={procs}"]
     cmd = [*launcher, str(Path(__file__)), "--worker", str(out), model_dir, str(version)]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1500, cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-3000:]}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(procs)]

@@ -129,10 +129,11 @@ def fsdp1_param_init(module):
     """FSDP1's `param_init_fn`: set the meta parameters of one module being wrapped, whole; FSDP1 then
     flattens the wrapped module and keeps only this rank's slice. FSDP1 calls it on every rank for the same
     modules in the same order, so the broadcasts inside line up."""
-    for pname in getattr(module, "_finetune_keys", {}):
-        if module._parameters[pname].is_meta:
-            module._parameters[pname] = materialize(module._finetune_stream, module, pname)
-    release_freed_memory()  # the previous module's whole copy, which FSDP1 has sharded and dropped
+    pending = [p for p in getattr(module, "_finetune_keys", {}) if module._parameters[p].is_meta]
+    if pending:
+        release_freed_memory()  # the previous module's whole copy, which FSDP1 has sharded and dropped
+    for pname in pending:
+        module._parameters[pname] = materialize(module._finetune_stream, module, pname)
     return module
 
 
