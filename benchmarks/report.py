@@ -17,7 +17,9 @@ EXTRA = {"checkpointing_step_time_ratio": ("checkpointing", "step_time_ratio"),
          "first_step_s": ("startup", "first_step_s"), "validate_70b_s": ("startup", "validate_70b_s"),
          "trl_tokens_per_s_ratio": ("trl_sft", "tokens_per_s_ratio"), "trl_peak_rss_ratio": ("trl_sft", "peak_rss_ratio"),
          "trl_loss_not_worse": ("trl_sft", "loss_not_worse"),
-         "loss_memory_ratio": ("loss_memory", "loss_memory_ratio")}
+         "loss_memory_ratio": ("loss_memory", "loss_memory_ratio"),
+         "load_rss_ratio_2_over_1": ("load_rss", "ratio_2_over_1"),
+         "load_rss_single_over_model": ("load_rss", "single_growth_over_model")}
 LOADED = 0.5  # load average per core above which timings are flagged as taken under load
 
 
@@ -114,7 +116,10 @@ def summary_table(results: dict) -> str:
              + _row_cell(rows, "trl_sft", lambda: trl_cell(rows["trl_sft"])) + " | >= 1.1, <= 1.0, yes | |",
              "| 8 | loss path peak bytes, full logits / chunked (128k vocab, 4096 tokens) | "
              + _row_cell(rows, "loss_memory", lambda: f"**{_f(lm['loss_memory_ratio'])}x** (chunked planned "
-                         f"within {_f(100 * abs(lm['chunked']['plan_error']), 2)}%)") + " | - | |"]
+                         f"within {_f(100 * abs(lm['chunked']['plan_error']), 2)}%)") + " | - | |",
+             "| 9 | loading, peak RSS growth per process: 2 FSDP / 1 process; 1 process / model bytes | "
+             + _row_cell(rows, "load_rss", lambda: f"**{_f(rows['load_rss']['ratio_2_over_1'])}**; "
+                         f"**{_f(rows['load_rss']['single_growth_over_model'])}**") + " | <= 0.6; <= 1.5 | |"]
     return "\n".join(lines)
 
 

@@ -154,6 +154,15 @@ def loss_memory(r: dict) -> list[str]:
             f"Full / chunked: **{_f(r['loss_memory_ratio'])}x**; same loss: {r['same_loss']}."]
 
 
+def load_rss(r: dict) -> list[str]:
+    from benchmarks.load_rss import table
+
+    return ["Fresh processes (torchrun for 2, gloo) load the synthetic model through the streaming loader, "
+            "attach LoRA and `prepare` (benchmarks/load_rss.py); each reports its peak RSS (VmHWM) over its "
+            "RSS after importing every library. `planned` is the planner's load phase for the reader.", "",
+            table(r)]
+
+
 SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("packing", "## 2. Packing", packing),
             ("merge_rss", "## 3. Merge memory", merge_rss),
@@ -161,7 +170,8 @@ SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("checkpointing", "## 5. Gradient checkpointing", checkpointing),
             ("startup", "## 6. Startup", startup),
             ("trl_sft", "## 7. Against TRL's SFTTrainer", trl_sft),
-            ("loss_memory", "## 8. Loss memory", loss_memory)]
+            ("loss_memory", "## 8. Loss memory", loss_memory),
+            ("load_rss", "## 9. Loading memory", load_rss)]
 
 
 def sections(rows: dict) -> list[str]:

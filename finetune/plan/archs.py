@@ -136,6 +136,12 @@ def _hf_cache_config(repo_id: str) -> Path | None:
 
 def find_config(name: str) -> tuple[dict | None, str]:
     """(config dict or None, where it came from)."""
+    from finetune.util import synthetic
+
+    if synthetic.is_synthetic(name):
+        base, overrides, _ = synthetic.parse(name)
+        cfg, where = find_config(base)
+        return (None, where) if cfg is None else (synthetic.config_for(cfg, overrides), f"synthetic ({where})")
     if name.startswith("builtin:"):
         from finetune.util import builtin as tiny  # light: imports torch only when the model is first built
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from finetune.plan import load
 from finetune.plan.activations import DTYPE_BYTES, MP_BYTES, activation_terms, targeted
 from finetune.plan.archs import Arch, resolve
 from finetune.plan.pinned import fsdp_offload_bytes
@@ -157,6 +158,7 @@ class Plan:
     source: str
     breakdown: dict = field(default_factory=dict)  # GPU bytes per device, by category
     cpu: dict = field(default_factory=dict)  # CPU bytes per machine, by phase
+    load_gpu: int = 0  # GPU bytes per device while the base loads (plan/load.py)
     notes: list = field(default_factory=list)
     overhead: dict = field(default_factory=dict)  # the parts of breakdown["framework_overhead"]
 
@@ -187,6 +189,7 @@ class Plan:
         return {"model": self.setup.model, "source": self.source, "gpu_bytes_per_device": self.gpu_bytes_per_device,
                 "cpu_bytes_peak": self.cpu_bytes_peak, "cpu_peak_phase": max(self.cpu, key=self.cpu.get),
                 "breakdown": dict(self.breakdown), "cpu_bytes": dict(self.cpu), "fits": self.fits(),
+                "gpu_bytes_loading": self.load_gpu,
                 "gpu_memory": self.setup.gpu_memory, "params": self.arch.params(),
                 "gpu_bytes_allocated": self.allocated, "gpu_bytes_reserved": self.reserved,
                 "overhead": dict(self.overhead),
@@ -252,6 +255,9 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     if s.activation_offload:
         # pinned host copies of every layer input, per process, plus the embedding table kept on the CPU
         p.cpu["training"] += s.per_machine * (act["_offloaded"] + _embedding_on_cpu(arch, s))
+    if s.device == "cuda":
+        held = load.process_bytes(arch, s, w, shard, DTYPE_BYTES, reader=True)
+        p.load_gpu = int(held * (1 + FRAGMENTATION)) + CUDA_CONTEXT + (NCCL_BUFFERS if s.world > 1 else 0)
     _notes(p, w)
     return p
 
@@ -262,15 +268,8 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
     base = procs * PROCESS_RAM
     quantized = w["base_4bit"] + w["quant_constants"] + w["unquantized"]
     shard_bf16 = min(SHARD_FILE, arch.params() * 2)
-    loaders = 1 if (s.strategy == "fsdp" and s.cpu_ram_efficient_loading) or procs == 1 else procs
-    # A loader reads one checkpoint shard at a time; on the FSDP path it also holds the quantized model
-    # until the shards are handed out. Without low_cpu_mem_usage a random-init full-precision model
-    # comes first (transformers #31577), once per loading process.
-    held = quantized if s.strategy == "fsdp" else 0
-    load = loaders * (shard_bf16 + held)
-    if not s.low_cpu_mem_usage:
-        load += loaders * arch.params() * DTYPE_BYTES[s.model_dtype]
-    phases = {"loading": base + load}
+    # The streaming loader: one reader per machine, one tensor at a time (plan/load.py).
+    phases = {"loading": load.machine_bytes(arch, s, w, _shards(s), DTYPE_BYTES, PROCESS_RAM)}
     machine_share = s.per_machine / s.world
     if s.offload:
         # each process: its pinned parameter shards (and FSDP1's pinned gradient for every one of them)
@@ -323,6 +322,8 @@ def render(p: Plan) -> str:
                   f"  + allocator slack    {fmt(o['allocator_slack']):>12}  (reserved {fmt(p.reserved)})",
                   f"  + CUDA context{' + NCCL' if o['nccl'] else '':<7}{fmt(o['cuda_context'] + o['nccl']):>12}"
                   f"  (not torch's; total {fmt(p.gpu_bytes_per_device)})"]
+    if p.load_gpu:
+        lines.append(f"GPU memory per device while loading: {fmt(p.load_gpu)}")
     phase = max(p.cpu, key=p.cpu.get)
     lines.append(f"CPU RAM per machine: {fmt(p.cpu_bytes_peak)} peak ({phase})")
     lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.cpu.items()]

@@ -60,6 +60,8 @@ def plan_block(path: str | Path, text: str | None = None) -> list[str]:
              *([f"#   peak allocated {fmt(p.allocated)} + allocator slack and CUDA context "
                 f"{fmt(bd['framework_overhead'])}"] if device == "cuda" else []),
              f"# CPU RAM:     {fmt(p.cpu_bytes_peak)} peak per machine ({max(p.cpu, key=p.cpu.get)})",
+             *([f"# loading:     {fmt(p.load_gpu)} per GPU, {fmt(p.cpu['loading'])} CPU RAM per machine "
+                "(streamed, shard by shard)"] if p.load_gpu else []),
              END]
     return lines
 

@@ -28,8 +28,13 @@ DType = Literal["float32", "bfloat16", "float16"]
 
 class ModelSpec(_Section):
     name: str = "builtin:tiny-llama"
-    """Base model: a hub id (read from the local HF cache), a local directory, or `builtin:tiny-llama`
-    (a small random Llama the project builds itself, for CPU runs and tests)."""
+    """Base model: a hub id (read from the local HF cache), a local directory (a pre-quantized `*-bnb-4bit`
+    checkpoint too: its packed weights load without quantizing), `builtin:tiny-llama` (a small pretrained
+    Llama the project builds itself, for CPU runs and tests), or `synthetic:BASE?layers=N&hidden=H&...`:
+    BASE's architecture (a name of the built-in table, a cached hub id, a directory or builtin:tiny-llama)
+    with the given shapes (options: layers, hidden, intermediate, heads, kv_heads, head_dim, vocab, seed)
+    and seeded random bf16 weights, built once into the cache with the tiny tokenizer (vocab >= 384), for
+    memory and speed runs without downloads."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of the base model."""
     dtype: DType = "float32"
@@ -61,7 +66,9 @@ class ModelSpec(_Section):
     allow_pickle: bool = False
     """Allow loading `.bin`/`.pt` (pickle) weights. Off: safetensors only, as pickle can execute code."""
     low_cpu_mem_usage: bool = True
-    """Load weights one shard at a time instead of materialising a random-init copy first."""
+    """Load weights one shard at a time instead of materialising a random-init copy first. Only int8 and
+    pickle bases load through transformers where this applies; the streaming 4-bit loader always builds
+    the model on the meta device and reads one tensor at a time."""
 
 
 class QuantizationSpec(_Section):
@@ -253,8 +260,8 @@ class FsdpSpec(_Section):
     cpu_offload: bool = False
     """Keep sharded parameters (and their optimizer state) in CPU RAM between uses."""
     cpu_ram_efficient_loading: bool = True
-    """Only rank 0 reads the weights; the others start empty and receive them (FSDP1 needs
-    sync_module_states for this)."""
+    """Accelerate's rank-0 loading, for the launcher config. The streaming loader reads with one
+    process (rank 0) and hands every rank only its shard whatever this says."""
     sync_module_states: bool | None = None
     """FSDP1: broadcast rank 0's weights at wrap time (null: follow cpu_ram_efficient_loading)."""
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] = "BACKWARD_PRE"

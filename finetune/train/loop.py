@@ -25,6 +25,7 @@ from finetune.recipe.fingerprint import fingerprint
 from finetune.train import checkpoint, guard, runlock
 from finetune.train.distributed import gather_full_adapter_state, make_accelerator, prepare
 from finetune.train.lora import apply_lora, trainable_report
+from finetune.train.load import placement_for
 from finetune.train.loss import loss_totals
 from finetune.train.metrics import Metrics
 from finetune.train.model import enable_checkpointing, load_model, load_tokenizer
@@ -137,7 +138,7 @@ def setup(recipe: Recipe, run_dir: Path) -> Run:
     tok = load_tokenizer(recipe.model)
     with acc.local_main_process_first():  # builtin assets and data caches are built once per node
         prepared = prepare_data(recipe.data, tok)
-    model = load_model(recipe.model, recipe.quantization)
+    model = load_model(recipe.model, recipe.quantization, placement_for(acc))
     enable_checkpointing(model, recipe.model)
     model = apply_lora(model, recipe.lora, seed=t.seed)
     attn = acc.unwrap_model(model).config._attn_implementation

@@ -21,6 +21,10 @@ def resolve_name(name: str) -> str:
     """builtin:* -> the local directory the project builds; anything else is passed to transformers."""
     if name.startswith("builtin:"):
         return str(builtin_dir(name, "model.name"))
+    if name.startswith("synthetic:"):
+        from finetune.train.synthetic import synthetic_dir
+
+        return str(synthetic_dir(name))
     if os.path.isdir(os.path.expanduser(name)):
         return str(Path(name).expanduser().resolve())
     return name
@@ -102,26 +106,33 @@ def load_tokenizer(spec: ModelSpec, path: str | None = None):
     return tok
 
 
-def load_model(spec: ModelSpec, quant: QuantizationSpec, device_map=None, quiet: bool = False):
-    """Load the frozen base: quantized per `quant`, non-quantized parameters in `spec.dtype`. `quiet`
-    silences the attention fallback line (see resolve_attention)."""
-    from transformers import AutoModelForCausalLM
+def load_model(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: bool = False):
+    """Load the frozen base: quantized per `quant`, non-quantized parameters in `spec.dtype`, through the
+    streaming loader (train/base.py) for the placement (None: the whole model in this process). `quiet`
+    silences the attention fallback line (see resolve_attention).
 
-    path = resolve_name(spec.name)
+    Two kinds of base still go through transformers' `from_pretrained`, and only unsharded: int8
+    (LLM.int8 weights cannot be sharded by FSDP at all) and pickle-only checkpoints the recipe allows
+    (the streaming reader reads safetensors only)."""
+    from finetune.train.load import Placement
+
+    placement = placement or Placement()
+    path = local_checkpoint(resolve_name(spec.name), spec)
     _check_weights_format(path, spec.allow_pickle)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            revision=spec.revision,
-            dtype=torch_dtype(spec.dtype),
-            quantization_config=bnb_config(quant, spec.dtype),
-            attn_implementation=resolve_attention(spec.attn_implementation, quiet),
-            trust_remote_code=spec.trust_remote_code,
-            use_safetensors=None if spec.allow_pickle else True,
-            device_map=device_map,
-        )
-    except OSError as e:  # not on disk and not in the HF cache (no network here)
-        raise RecipeError([f"model.name: cannot load '{spec.name}': {str(e).splitlines()[0]}"]) from None
+    attn = resolve_attention(spec.attn_implementation, quiet)
+    if quant.mode == "int8" or not any(Path(path).glob("*.safetensors")):
+        if placement.mode != "whole":
+            raise RecipeError([f"model.name: {spec.name}: FSDP loads safetensors 4-bit (or unquantized) bases "
+                               "shard by shard; int8 and pickle-only checkpoints load whole, without FSDP"])
+        model = _from_pretrained(path, spec, quant, attn)
+    else:
+        from transformers import AutoConfig
+
+        from finetune.train.base import load_base
+
+        config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
+        model = load_base(Path(path), config, torch_dtype(spec.dtype), bnb_config(quant, spec.dtype), placement,
+                          attn, spec.trust_remote_code)
     model.config.use_cache = False  # training never uses the KV cache; it would also break packing masks
     for p in model.parameters():
         p.requires_grad_(False)
@@ -132,6 +143,29 @@ def load_model(spec: ModelSpec, quant: QuantizationSpec, device_map=None, quiet:
     # later training steps and every FSDP gather (see disable_cpu_weight_repacking); keep the trained layout.
     disable_cpu_weight_repacking(model)
     return model
+
+
+def local_checkpoint(path: str, spec: ModelSpec) -> str:
+    """A local directory for `path`: itself, or the hub snapshot (from the HF cache, downloading what is
+    missing unless HF_HUB_OFFLINE)."""
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(path, revision=spec.revision,
+                                 allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.jinja"])
+    except Exception as e:  # noqa: BLE001 - not on disk, not in the cache, no network: one clear line
+        raise RecipeError([f"model.name: cannot load '{spec.name}': {str(e).splitlines()[0]}"]) from None
+
+
+def _from_pretrained(path: str, spec: ModelSpec, quant: QuantizationSpec, attn: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, revision=spec.revision, dtype=torch_dtype(spec.dtype), quantization_config=bnb_config(quant, spec.dtype),
+        attn_implementation=attn, trust_remote_code=spec.trust_remote_code,
+        use_safetensors=None if spec.allow_pickle else True)
 
 
 def keep_buffers_fp32(model):

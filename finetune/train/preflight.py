@@ -189,11 +189,18 @@ def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, c
                            message=f"planned {fmt(plan.gpu_bytes_per_device)} per GPU (micro-batch {s.micro_batch} x "
                                    f"{s.seq_len} tokens on {s.world} GPU(s)) does not fit in {fmt(gpu_memory)}",
                            fix=_fit_fixes(s, arch, gpu_memory)))
+    if gpu_memory and plan.load_gpu > gpu_memory:
+        out.append(Problem(level="error", path="distributed.num_processes",
+                           message=f"loading: planned {fmt(plan.load_gpu)} per GPU while the base loads (on {s.world} "
+                                   f"GPU(s)) does not fit in {fmt(gpu_memory)}: short by "
+                                   f"{fmt(plan.load_gpu - gpu_memory)}",
+                           fix="shard the base over more GPUs (distributed.strategy: fsdp, more processes), or use "
+                               "GPUs with more memory"))
     if cpu_memory and plan.cpu_bytes_peak > cpu_memory:
         phase = max(plan.cpu, key=plan.cpu.get)
         out.append(Problem(level="error", path="fsdp.cpu_ram_efficient_loading" if phase == "loading" else
                            "fsdp.cpu_offload", message=f"planned {fmt(plan.cpu_bytes_peak)} of CPU RAM while {phase} "
-                           f"does not fit in {fmt(cpu_memory)}",
+                           f"does not fit in {fmt(cpu_memory)}: short by {fmt(plan.cpu_bytes_peak - cpu_memory)}",
                            fix=_cpu_fix(r, phase)))
     return out
 

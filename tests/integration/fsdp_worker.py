@@ -20,14 +20,15 @@ import torch
 SEQ, GLOBAL_BATCH = 32, 8
 
 
-def load_qlora_model():
+def load_qlora_model(placement=None):
     """The tiny base in 4-bit NF4 (double quant, bf16 compute, fp32 storage, fp32 model) + LoRA r=16 on
-    every linear, dropout 0 so 1 and 2 processes compute the same thing."""
+    every linear, dropout 0 so 1 and 2 processes compute the same thing. Under FSDP the streaming loader
+    leaves the base to `prepare`, which gives each rank its shard."""
     from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
     from finetune.train.lora import apply_lora
     from finetune.train.model import load_model
 
-    model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), quiet=True)
+    model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), placement, quiet=True)
     return apply_lora(model, LoraSpec(r=16, alpha=32, dropout=0.0), seed=0)
 
 
@@ -130,8 +131,10 @@ def main(argv: list[str]) -> int:
                       weight_decay=0.01, warmup_steps=0, max_steps=args.steps, max_grad_norm=args.clip or None)
     acc = D.make_accelerator(DistributedSpec(strategy=args.strategy), FsdpSpec(version=args.version), train,
                              "float32")
-    model = load_qlora_model()
-    full_bytes = param_bytes(model)
+    from finetune.train.load import placement_for
+
+    full_bytes = param_bytes(load_qlora_model())  # the whole model, as one process holds it
+    model = load_qlora_model(placement_for(acc))
     opt = build_optimizer(model.named_parameters(), train)
     sched = build_scheduler(opt, train, args.steps)
     model, opt = D.prepare(acc, model, opt)

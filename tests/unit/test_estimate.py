@@ -112,8 +112,8 @@ def test_plan_responds_to_each_knob():
     assert gpu(attn="eager") > gpu()
     p = E.build(replace(s, strategy="fsdp", gpus=2, offload=True))
     assert p.breakdown["base_4bit"] == 0 and p.cpu["training"] > E.build(replace(s, strategy="fsdp", gpus=2)).cpu["training"]
-    eager_load = E.build(replace(s, low_cpu_mem_usage=False)).cpu["loading"]
-    assert eager_load > 8e9 * 4  # a full fp32 random init before the weights (transformers #31577)
+    # The streaming loader: FSDP ranks load their shard, so 2 ranks need less per GPU than 1 process.
+    assert E.build(replace(s, strategy="fsdp", gpus=2)).load_gpu < E.build(s).load_gpu
 
 
 def test_eight_bit_optimizer_keeps_small_tensors_in_32_bit():

@@ -1,0 +1,78 @@
+"""The load phase of a run, as the streaming loader (train/load.py, train/base.py) runs it: memory per GPU,
+per process and per machine while the base model arrives, from shapes alone.
+
+One reader per machine at most (rank 0) reads one checkpoint tensor at a time: safetensors' copy of it in
+the checkpoint dtype (bf16) plus the cast to model.dtype, on the reader's device. A 4-bit target weight is
+quantized there (its packed bytes and blockwise constants beside the cast copy); every rank receives the
+whole tensor (packed, or plain in model.dtype) and keeps its part:
+
+- one process or replicas: the whole model, built up one tensor at a time;
+- FSDP2: a dim-0 chunk of every parameter (1/world), plus the whole quantization state;
+- FSDP1: a wrapped module (one decoder layer, or the root: embeddings, head, final norm) whole, and its
+  flat parameter, which FSDP1 concatenates before it keeps this rank's slice.
+
+So the peak is what a process finally holds plus the biggest transient: the largest tensor in flight
+(or, FSDP1, the largest wrapped module twice). LoRA adapters exist whole in every process before
+`prepare` shards them.
+"""
+from __future__ import annotations
+
+from finetune.plan.archs import Arch
+
+CKPT_BYTES = 2  # hub checkpoints store bf16 (or fp16)
+
+
+def tensors(arch: Arch) -> list[tuple[int, bool]]:
+    """(elements, is a 4-bit target) of every checkpoint tensor of the largest kinds (small norms aside)."""
+    lin = [(x.d_in * x.d_out, True) for x in arch.linears() for _ in range(x.count)]
+    emb = [(arch.vocab * arch.hidden, False)] * (1 if arch.tied else 2)
+    return lin + emb
+
+
+def _sizes(arch: Arch, s, dtype_bytes: dict) -> tuple[int, int]:
+    """(bytes in flight for the biggest tensor on the reader, bytes the receivers hold for it)."""
+    mb = dtype_bytes[s.model_dtype]
+    reader = received = 0
+    for numel, four_bit in tensors(arch):
+        quantized = four_bit and s.quant in ("nf4", "fp4")
+        held = (numel + 1) // 2 if quantized else numel * mb
+        cast = numel * mb if mb != CKPT_BYTES or quantized else 0
+        reader = max(reader, numel * CKPT_BYTES + cast + (held if quantized else 0))
+        received = max(received, held)
+    return reader, received
+
+
+def _fsdp1_unit(arch: Arch, w: dict) -> int:
+    """Bytes of the largest module FSDP1 wraps: one decoder layer or the root (embeddings and head)."""
+    return max(w["base_4bit"] // arch.layers, w["unquantized"])
+
+
+def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader: bool) -> int:
+    """Peak bytes one process holds while loading (on its device: the GPU, or RAM in a CPU run), beyond
+    what it held before. `w`: estimate.weight_terms; `shard`: the FSDP shard count (1: whole)."""
+    on_device = 0 if s.offload else 1  # FSDP's CPU offload keeps the shards in RAM (machine_bytes)
+    sharded = -(-w["base_4bit"] // shard) + -(-w["unquantized"] // shard) + -(-w["lora"] // shard)
+    # Under FSDP the adapters are attached to CPU placeholders, so they reach the device sharded; whole
+    # otherwise. The quantization state is whole on every rank.
+    final = w["quant_constants"] + on_device * sharded
+    flight, received = _sizes(arch, s, dtype_bytes)
+    if s.strategy == "fsdp" and shard > 1 and s.fsdp_version == 1:
+        transient = 2 * _fsdp1_unit(arch, w)
+    else:
+        transient = received + (received // shard if shard > 1 else 0)
+    if reader:
+        transient = max(transient, flight + (received // shard if shard > 1 else 0))
+    return final + transient
+
+
+def machine_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, process_ram: int) -> int:
+    """Peak CPU RAM of one machine while loading: its processes, and on a CPU run their weights too; on
+    GPUs only the reader's host copy of the tensor in flight (safetensors' read)."""
+    procs = s.per_machine
+    if s.device == "cpu":
+        return procs * process_ram + process_bytes(arch, s, w, shard, dtype_bytes, True) + \
+            (procs - 1) * process_bytes(arch, s, w, shard, dtype_bytes, False)
+    biggest = max(n for n, _ in tensors(arch)) * CKPT_BYTES
+    offloaded = (-(-w["base_4bit"] // shard) + -(-w["unquantized"] // shard)) * procs if s.offload else 0
+    adapters = w["lora"] * procs if s.strategy == "fsdp" and shard > 1 else 0  # whole until prepare shards them
+    return procs * process_ram + biggest + offloaded + adapters

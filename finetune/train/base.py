@@ -1,0 +1,177 @@
+"""The frozen base model through the streaming loader (load.py): the skeleton, the first pass at load time,
+and the FSDP fills that run while `prepare` wraps the model.
+
+Every parameter the checkpoint holds gets `_finetune_keys[name]` (its checkpoint key) and
+`_finetune_dtypes[name]` on its module; a `Linear4bit` also gets `_finetune_q` (its quantization
+arguments). Under FSDP the parameter is a zero-size placeholder of the right dtype until `prepare`: LoRA is
+attached to a real (CPU) tensor, not a meta one (peft would put the adapters on meta), and `before_wrap`
+swaps the placeholders for meta tensors of the full shape that FSDP then shards.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from finetune.train.load import Checkpoint, Placement, Stream, check_stored_config, materialize, release_freed_memory
+from finetune.util.errors import RecipeError
+
+
+def skeleton(path: Path, config, dtype: torch.dtype, bnb, prequantized: bool, attn: str, trust: bool):
+    """The model with every parameter on meta (buffers such as RoPE's inv_freq real), its target linears
+    replaced by `Linear4bit` through transformers' own bitsandbytes quantizer."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
+                                                 trust_remote_code=trust)
+    quantizer = None
+    if bnb is not None:
+        from transformers.quantizers import AutoHfQuantizer
+
+        quantizer = AutoHfQuantizer.from_config(bnb, pre_quantized=prequantized)
+        quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None,
+                                   use_kernels=False)
+        model.hf_quantizer = quantizer
+    return model, quantizer
+
+
+def tag_parameters(model, ckpt: Checkpoint) -> list[tuple[torch.nn.Module, str]]:
+    """Record each parameter's checkpoint key on its module; [(module, name)] in model order. A parameter
+    the checkpoint lacks is a RecipeError naming it (tied parameters are set once, through their owner)."""
+    import bitsandbytes as bnb
+
+    out, seen, missing = [], set(), []
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            key = f"{mname}.{pname}" if mname else pname
+            if key not in ckpt.where:
+                missing.append(key)
+                continue
+            module.__dict__.setdefault("_finetune_keys", {})[pname] = key
+            module.__dict__.setdefault("_finetune_dtypes", {})[pname] = p.dtype
+            module.__dict__.setdefault("_finetune_shapes", {})[pname] = tuple(p.shape)
+            if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
+                w = module.weight
+                module._finetune_q = {"blocksize": w.blocksize, "compress_statistics": w.compress_statistics,
+                                      "quant_type": w.quant_type, "quant_storage": w.quant_storage}
+                module._finetune_dtypes[pname] = w.quant_storage
+            out.append((module, pname))
+    if missing:
+        raise RecipeError([f"model.name: {ckpt.path} has no tensor '{k}' the model needs" for k in missing[:5]])
+    return out
+
+
+def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement, attn: str, trust: bool):
+    """The frozen base for `placement` (see load.py). `bnb`: a 4-bit BitsAndBytesConfig or None."""
+    ckpt = Checkpoint(path)
+    if ckpt.prequantized and bnb is None:
+        raise RecipeError([f"model.name: {path} is a pre-quantized 4-bit checkpoint; set quantization.mode "
+                           "to its type (nf4 or fp4)"])
+    if ckpt.prequantized:
+        check_stored_config(config, bnb)
+    model, quantizer = skeleton(path, config, dtype, bnb, ckpt.prequantized, attn, trust)
+    stream = Stream(ckpt, placement, dtype)
+    for module, pname in tag_parameters(model, ckpt):
+        module._finetune_stream = stream
+        if placement.mode == "whole":
+            module._parameters[pname] = materialize(stream, module, pname)
+            release_freed_memory()
+        else:
+            module._parameters[pname] = placeholder(module, pname, (0,), "cpu")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    if quantizer is not None:
+        quantizer.postprocess_model(model)
+    model.eval()  # as from_pretrained returns it
+    return model
+
+
+def _tagged(model):
+    for module in model.modules():
+        for pname in getattr(module, "_finetune_keys", {}):
+            yield module, pname
+
+
+def before_wrap(model) -> None:
+    """FSDP: placeholders -> meta tensors of the parameter's full shape, which FSDP shards without memory."""
+    for module, pname in _tagged(model):
+        p = module._parameters[pname]
+        if p.numel() == 0 and not p.is_meta:
+            module._parameters[pname] = placeholder(module, pname, full_shape(module, pname), "meta")
+
+
+def placeholder(module, pname: str, shape: tuple, device: str) -> torch.nn.Parameter:
+    """An unset parameter of the right class and dtype: a Params4bit (with its quantization arguments,
+    which peft reads when it wraps the layer) for a 4-bit weight, a plain frozen Parameter otherwise."""
+    data = torch.empty(shape, dtype=module._finetune_dtypes[pname], device=device)
+    if hasattr(module, "_finetune_q") and pname == "weight":
+        import bitsandbytes as bnb
+
+        return bnb.nn.Params4bit(data, requires_grad=False, module=module, bnb_quantized=True, **module._finetune_q)
+    return torch.nn.Parameter(data, requires_grad=False)
+
+
+def full_shape(module, pname: str) -> tuple[int, ...]:
+    """The parameter's shape when set: packed 4-bit weights are (bytes / storage itemsize, 1), as
+    bitsandbytes' quantize_4bit returns them."""
+    if hasattr(module, "_finetune_q") and pname == "weight":
+        nbytes = (module.in_features * module.out_features + 1) // 2
+        return (nbytes // torch.empty((), dtype=module._finetune_q["quant_storage"]).element_size(), 1)
+    return module._finetune_shapes[pname]
+
+
+def fsdp1_param_init(module):
+    """FSDP1's `param_init_fn`: set the meta parameters of one module being wrapped, whole; FSDP1 then
+    flattens the wrapped module and keeps only this rank's slice. FSDP1 calls it on every rank for the same
+    modules in the same order, so the broadcasts inside line up."""
+    pending = [p for p in getattr(module, "_finetune_keys", {}) if module._parameters[p].is_meta]
+    if pending:
+        release_freed_memory()  # the previous module's whole copy, which FSDP1 has sharded and dropped
+    for pname in pending:
+        module._parameters[pname] = materialize(module._finetune_stream, module, pname)
+    return module
+
+
+def _fsdp2_params(model) -> dict:
+    """(id(module), name) -> FSDPParam for every parameter fully_shard manages."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = {}
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            for fp in group.fsdp_params if group is not None else []:
+                out[(id(fp._module_info.module), fp._module_info.param_name)] = fp
+    return out
+
+
+def fill_fsdp2_shards(model) -> None:
+    """After `fully_shard` on the meta placeholders: stream every tagged parameter and keep this rank's dim-0
+    chunk, exactly the rows `fully_shard` would have kept of the whole tensor (torch.chunk; the last rank's
+    chunk may be short or empty, FSDP pads it). Collective, in module order on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    fsdp_params = _fsdp2_params(model)
+    for module, pname in list(_tagged(model)):
+        fp = fsdp_params[(id(module), pname)]
+        old = fp.sharded_param
+        if not old._local_tensor.is_meta:
+            continue
+        full = materialize(module._finetune_stream, module, pname)
+        rank, world = old.device_mesh.get_local_rank(), old.device_mesh.size()
+        chunks = torch.chunk(full.data, world, dim=0)
+        local = chunks[rank].clone() if rank < len(chunks) else full.data.new_empty((0, *full.shape[1:]))
+        del full, chunks
+        if fp.offload_to_cpu:
+            local = local.cpu()
+        new = torch.nn.Parameter(DTensor.from_local(local, old.device_mesh, old.placements, run_check=False,
+                                                    shape=old.shape, stride=old.stride()), requires_grad=False)
+        for m in [fp._module_info.module, *fp._module_info.shared_modules]:
+            m._parameters[fp._module_info.param_name] = new
+        fp.reset_sharded_param()
+        release_freed_memory()

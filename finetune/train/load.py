@@ -1,0 +1,213 @@
+"""The streaming 4-bit loader: the base model, tensor by tensor, so no process holds more than its share.
+
+The model is built on the meta device from config.json (transformers' own bitsandbytes quantizer swaps
+the target linears for `Linear4bit`, exactly as `from_pretrained` does). Then the checkpoint's safetensors
+are read one tensor at a time by rank 0 only; each linear weight is quantized on rank 0's device (or, for a
+pre-quantized `*-bnb-4bit` checkpoint, its packed bytes and quantization state are read as stored) and
+broadcast to the other ranks, which keep what their placement says:
+
+- `whole` (one process, or replicas): every tensor is set at once; the bf16 weights are never all held,
+  only one tensor at a time.
+- `fsdp2`: nothing is set at load time (a placeholder stands in, so LoRA can be attached); `prepare`
+  shards the meta model with `fully_shard` and then `fill_fsdp2_shards` streams the checkpoint again,
+  each rank keeping only its dim-0 chunk of every parameter: the packed 4-bit bytes included.
+- `fsdp1`: FSDP1 flattens a wrapped module's parameters before sharding them, so a rank's slice is only
+  known inside FSDP: `fsdp1_param_init` fills one wrapped module at a time while FSDP1 wraps it
+  (its `param_init_fn` route), and FSDP1 then keeps only this rank's slice of the flat parameter.
+
+Quantization state (absmax, nested absmax, code, ...) is kept whole on every rank, on the `Linear4bit`
+module (`module.quant_state`), where bitsandbytes finds it again after FSDP gathers the packed weight.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from finetune.util.errors import RecipeError
+
+PLACEMENTS = ("whole", "fsdp1", "fsdp2")
+_QS_PREFIX = "quant_state.bitsandbytes__"
+
+
+@dataclass
+class Placement:
+    """What this process keeps of the weights (see the module doc), and where it talks to the others."""
+    mode: str = "whole"
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+
+def placement_for(accelerator) -> Placement:
+    """The placement an Accelerator implies: FSDP (1 or 2) shards, anything else holds the whole model."""
+    from accelerate.utils import DistributedType
+
+    mode = "whole"
+    if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:
+        mode = f"fsdp{accelerator.state.fsdp_plugin.fsdp_version}"
+    return Placement(mode, accelerator.process_index, accelerator.num_processes, accelerator.device)
+
+
+class Checkpoint:
+    """The tensors of a safetensors checkpoint directory, by key, read one at a time."""
+
+    def __init__(self, path: Path):
+        from safetensors import safe_open
+
+        self.path = path
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            self.where = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            self.where = {}
+            for f in sorted(path.glob("*.safetensors")):
+                with safe_open(f, framework="pt") as h:
+                    self.where.update({k: f for k in h.keys()})
+        self.prequantized = any(_QS_PREFIX in k for k in self.where)
+
+    def read(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        # A fresh handle per tensor: safetensors maps the whole file, and every page a read touches stays
+        # in this process's RSS until the map closes; reading the model through one open handle would end
+        # with the whole checkpoint counted in rank 0's RSS. get_tensor copies out of the map.
+        with safe_open(self.where[key], framework="pt") as h:
+            return h.get_tensor(key)
+
+    def quant_stats(self, key: str) -> dict:
+        """The stored quantization state of the packed weight `key` (a `*-bnb-4bit` checkpoint)."""
+        return {k[len(key) + 1:]: self.read(k) for k in self.where if k.startswith(key + ".")}
+
+
+class Stream:
+    """Rank 0 reads (and quantizes); every rank receives. Collective: all ranks call in the same order."""
+
+    def __init__(self, ckpt: Checkpoint, placement: Placement, dtype: torch.dtype):
+        self.ckpt, self.placement, self.dtype = ckpt, placement, dtype
+
+    def _share(self, make) -> tuple[torch.Tensor, object]:
+        """(tensor, info) made by rank 0's `make()`, on every rank; the tensor travels as raw bytes so any
+        dtype (packed bf16 storage included) crosses any backend unchanged."""
+        pl = self.placement
+        if pl.world == 1:
+            return make()
+        import torch.distributed as dist
+
+        header = [None]
+        if pl.rank == 0:
+            t, info = make()
+            header = [(tuple(t.shape), t.dtype, info)]
+        dist.broadcast_object_list(header, src=0)
+        shape, dtype, info = header[0]
+        comm = torch.device("cpu") if dist.get_backend() == "gloo" else pl.device
+        if pl.rank == 0:
+            buf = t.contiguous().view(-1).view(torch.uint8).to(comm)
+        else:
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=comm)
+        dist.broadcast(buf, src=0)
+        if pl.rank == 0:
+            return t, info
+        return buf.to(pl.device).view(dtype).view(shape), info
+
+    def plain(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        dev = self.placement.device
+        return self._share(lambda: (self.ckpt.read(key).to(dev, dtype), None))[0]
+
+    def quantized(self, key: str, module) -> tuple[torch.Tensor, object]:
+        """(packed 4-bit weight, QuantState) of `module`'s weight on every rank."""
+        from bitsandbytes.functional import QuantState
+
+        dev = self.placement.device
+
+        def make():
+            if self.ckpt.prequantized:
+                packed = self.ckpt.read(key).to(dev)
+                stats = self.ckpt.quant_stats(key)
+            else:
+                packed, qs = quantize(self.ckpt.read(key).to(dev, self.dtype), module)
+                stats = {k: v.cpu() if torch.is_tensor(v) else v for k, v in qs.as_dict(packed=True).items()}
+            return packed, stats
+
+        packed, stats = self._share(make)
+        return packed, QuantState.from_dict(dict(stats), device=dev)
+
+
+QUANT_CHUNK = 2**20  # elements quantized at once: a multiple of every block size and storage width
+
+
+def quantize(weight: torch.Tensor, module) -> tuple[torch.Tensor, object]:
+    """Quantize one weight exactly as transformers' loader does (Params4bit(...).to(device), that is
+    bitsandbytes.functional.quantize_4bit), with the module's block size, double quantization, type and
+    storage dtype, but QUANT_CHUNK elements at a time.
+
+    Why not one call: bitsandbytes' kernel works on the whole tensor at once, and on CPU its reference
+    kernel holds about 13 bytes of temporaries per element (a float32 copy, int32 codes, ...): 150 MB for
+    one 2048 x 5632 weight, more than the packed model of a small run. The first quantization level is
+    independent per block of `blocksize` elements, so the same kernel over block-aligned pieces gives the
+    same packed bytes and absmax; the second level (double quantization: the absmax minus its mean,
+    quantized in blocks of 256) runs once on the whole absmax, as bitsandbytes runs it. The result equals
+    quantize_4bit's byte for byte (tests/unit/test_stream_quantize.py)."""
+    import bitsandbytes.functional as F
+
+    q = module._finetune_q
+    flat = weight.reshape(-1)
+    packed, absmax = [], []
+    for start in range(0, flat.numel(), QUANT_CHUNK):
+        p, a = torch.ops.bitsandbytes.quantize_4bit.default(flat[start:start + QUANT_CHUNK], q["blocksize"],
+                                                             q["quant_type"], q["quant_storage"])
+        packed.append(p)
+        absmax.append(a)
+    packed, absmax = torch.cat(packed), torch.cat(absmax)
+    code = F.get_4bit_type(q["quant_type"], device=weight.device)
+    common = dict(shape=weight.shape, dtype=weight.dtype, blocksize=q["blocksize"], code=code,
+                  quant_type=q["quant_type"])
+    if not q["compress_statistics"]:
+        return packed, F.QuantState(absmax=absmax, **common)
+    offset = absmax.mean()
+    qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
+    return packed, F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **common)
+
+
+def release_freed_memory() -> None:
+    """Give the memory of the tensors just dropped back to the OS. A loaded tensor is freed right after its
+    shard is kept, but (measured on CPU) the process keeps most of it: some go only with Python's cycle
+    collector (bitsandbytes' parameter and state objects), and glibc keeps freed mid-size blocks in its
+    heap once its mmap threshold has grown to the largest tensor freed so far. Without this, a rank's RSS
+    after loading its half of a model was two to three times that half."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
+
+
+def materialize(stream: Stream, module, pname: str):
+    """The whole parameter `pname` of `module`, on every rank (collective)."""
+    import bitsandbytes as bnb
+
+    key = module._finetune_keys[pname]
+    if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
+        packed, qs = stream.quantized(key, module)
+        module.quant_state = qs
+        return bnb.nn.Params4bit(packed, requires_grad=False, quant_state=qs, module=module, bnb_quantized=True,
+                                 **module._finetune_q)
+    return torch.nn.Parameter(stream.plain(key, module._finetune_dtypes[pname]), requires_grad=False)
+
+
+def check_stored_config(config, bnb) -> None:
+    """A pre-quantized checkpoint is read as stored: the recipe's 4-bit settings must be the stored ones."""
+    stored = getattr(config, "quantization_config", None) or {}
+    stored = stored if isinstance(stored, dict) else stored.to_dict()
+    ours = bnb.to_dict()
+    fields = ("bnb_4bit_quant_type", "bnb_4bit_use_double_quant", "bnb_4bit_quant_storage")
+    bad = [f for f in fields if f in stored and str(stored[f]) != str(ours.get(f))]
+    if bad:
+        raise RecipeError([f"quantization: the checkpoint is pre-quantized with {f}={stored[f]}, the recipe asks "
+                           f"for {ours.get(f)}; set the recipe to match" for f in bad])

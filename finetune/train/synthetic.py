@@ -1,0 +1,87 @@
+"""Builds a synthetic model (util/synthetic.py names it) into the cache: the architecture's skeleton on meta
+gives every tensor's name and shape; each tensor is drawn from its own seeded generator (normal, std
+initializer_range; norm weights ones) and written in bf16 to safetensors shards of at most SHARD_BYTES,
+so building a large model holds one shard at a time. The tiny tokenizer goes along, so the builtin data
+works with any synthetic model whose vocabulary holds its ids.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from finetune.util import builtin, synthetic
+from finetune.util.errors import RecipeError
+
+SHARD_BYTES = 512 * 2**20
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def synthetic_dir(name: str, what: str = "model.name") -> Path:
+    """The local directory of the synthetic model `name`, built on first use (atomically: ranks may race)."""
+    from finetune.plan.archs import find_config
+
+    base, overrides, seed = synthetic.parse(name, what)
+    base_cfg, where = find_config(base)
+    if base_cfg is None:
+        raise RecipeError([f"{what}: '{name}': base '{base}': {where}"])
+    cfg = synthetic.config_for(base_cfg, overrides)
+    return builtin._atomic_build(synthetic.cache_dir(name), lambda out: build(out, cfg, seed))
+
+
+def _tensor_names(cfg: dict) -> tuple[list[tuple[str, tuple, bool]], object]:
+    """([(name, shape, is a norm weight)] of every parameter the architecture has, in model order), config."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**cfg)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config)
+    out = []
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            norm = "norm" in type(module).__name__.lower()
+            out.append((f"{mname}.{pname}", tuple(p.shape), norm))
+    return out, config
+
+
+def build(out: Path, cfg: dict, seed: int) -> None:
+    from safetensors.torch import save_file
+
+    tok_dir = builtin.model_dir()
+    vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
+    if cfg.get("vocab_size", 0) < vocab:
+        raise RecipeError([f"model.name: a synthetic model needs vocab >= {vocab} (the tiny tokenizer's)"])
+    names, config = _tensor_names(cfg)
+    std = float(cfg.get("initializer_range", 0.02))
+    weight_map, shard, size, files = {}, {}, 0, []
+
+    def flush():
+        nonlocal shard, size
+        fname = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shard, str(out / fname), metadata={"format": "pt"})
+        files.append(fname)
+        weight_map.update({k: fname for k in shard})
+        shard, size = {}, 0
+
+    for i, (key, shape, norm) in enumerate(names):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        t = torch.ones(shape) if norm else torch.randn(shape, generator=gen) * std
+        shard[key] = t.to(torch.bfloat16)
+        size += shard[key].numel() * 2
+        if size >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    total = sum((out / f).stat().st_size for f in files)
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    tok_cfg = json.loads((tok_dir / "config.json").read_text())
+    config.update({k: tok_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    config.dtype = torch.bfloat16
+    config.save_pretrained(out)
+    for f in TOKENIZER_FILES:
+        if (tok_dir / f).exists():
+            shutil.copy(tok_dir / f, out / f)

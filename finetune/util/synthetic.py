@@ -1,0 +1,62 @@
+"""Synthetic model names: `synthetic:BASE?layers=2&hidden=1024&seed=0`, a model with BASE's architecture
+(a name of the built-in table, a hub id in the HF cache, `builtin:tiny-llama`, or a directory with a
+config.json), the shapes the options change, and seeded random weights. `train/synthetic.py` builds the
+weights (sharded bf16 safetensors plus the tiny tokenizer) into the cache the first time the name is used;
+this module is the pure part: parsing, the config, and the cache directory.
+"""
+from __future__ import annotations
+
+import hashlib
+from urllib.parse import parse_qsl
+
+from finetune.util.builtin import cache_root
+from finetune.util.errors import RecipeError
+
+PREFIX = "synthetic:"
+VERSION = "v1"  # bump when the builder changes
+# option -> config.json key
+OPTIONS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "intermediate": "intermediate_size",
+           "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "vocab": "vocab_size",
+           "head_dim": "head_dim"}
+
+
+def is_synthetic(name: str) -> bool:
+    return name.startswith(PREFIX)
+
+
+def parse(name: str, what: str = "model.name") -> tuple[str, dict, int]:
+    """(base name, config overrides, seed) of a synthetic name; RecipeError naming `what` otherwise."""
+    base, _, query = name[len(PREFIX):].partition("?")
+    if not base:
+        raise RecipeError([f"{what}: '{name}' names no base architecture (synthetic:BASE?layers=N...)"])
+    overrides, seed = {}, 0
+    for key, value in parse_qsl(query, keep_blank_values=True):
+        if not value.isdigit() or int(value) <= 0 and key != "seed":
+            raise RecipeError([f"{what}: '{name}': {key}={value!r} is not a positive integer"])
+        if key == "seed":
+            seed = int(value)
+        elif key in OPTIONS:
+            overrides[OPTIONS[key]] = int(value)
+        else:
+            raise RecipeError([f"{what}: '{name}': unknown option {key!r}; known: seed, {', '.join(OPTIONS)}"])
+    return base, overrides, seed
+
+
+def config_for(base_config: dict, overrides: dict) -> dict:
+    """The synthetic model's config.json: the base's, with the overrides; a changed hidden size or head count
+    drops an explicit head_dim that no longer divides it (the model then derives it)."""
+    cfg = {k: v for k, v in base_config.items() if not k.startswith("_")}
+    cfg.update(overrides)
+    changed = {"hidden_size", "num_attention_heads"} & set(overrides)
+    if changed and "head_dim" not in overrides and cfg.get("head_dim") and cfg.get("num_attention_heads"):
+        if cfg["head_dim"] * cfg["num_attention_heads"] != cfg.get("hidden_size"):
+            cfg.pop("head_dim")
+    for k in ("quantization_config", "auto_map"):  # random weights are never pre-quantized or remote code
+        cfg.pop(k, None)
+    return cfg
+
+
+def cache_dir(name: str):
+    """Where the synthetic model `name` is built: one directory per exact name."""
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    return cache_root() / f"synthetic-{VERSION}-{digest}"

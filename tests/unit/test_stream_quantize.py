@@ -1,0 +1,31 @@
+"""The streaming loader quantizes big weights in block-aligned pieces (train/load.quantize): the packed
+bytes and every part of the quantization state must equal one bitsandbytes quantize_4bit call's."""
+import pytest
+import torch
+
+from finetune.train import load
+
+
+class _Module:  # what the loader records on a Linear4bit (`_finetune_q`)
+    def __init__(self, **q):
+        self._finetune_q = q
+
+
+@pytest.mark.parametrize("shape,storage,nested,qtype", [
+    ((3 * 2**11 + 4 * 64, 3), torch.bfloat16, True, "nf4"),  # several pieces, a short last one
+    ((104, 77), torch.float32, True, "nf4"),  # ends in a partial block
+    ((2**12 // 64 + 1, 64), torch.uint8, False, "fp4"),
+])
+def test_pieces_equal_one_call(shape, storage, nested, qtype, monkeypatch):
+    import bitsandbytes.functional as F
+
+    monkeypatch.setattr(load, "QUANT_CHUNK", 2**11)
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    q = dict(blocksize=64, compress_statistics=nested, quant_type=qtype, quant_storage=storage)
+    got, got_state = load.quantize(w, _Module(**q))
+    want, want_state = F.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type=qtype,
+                                       quant_storage=storage)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    a, b = got_state.as_dict(packed=True), want_state.as_dict(packed=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
