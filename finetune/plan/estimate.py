@@ -266,7 +266,6 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
     """Peak CPU RAM per machine in each phase."""
     procs = s.per_machine
     base = procs * PROCESS_RAM
-    quantized = w["base_4bit"] + w["quant_constants"] + w["unquantized"]
     shard_bf16 = min(SHARD_FILE, arch.params() * 2)
     # The streaming loader: one reader per machine, one tensor at a time (plan/load.py).
     phases = {"loading": load.machine_bytes(arch, s, w, _shards(s), DTYPE_BYTES, PROCESS_RAM)}
