@@ -307,6 +307,9 @@ def _notes(p: Plan, w: dict):
     s = p.setup
     if s.offload:
         p.notes.append("fsdp.cpu_offload: sharded weights, gradients and optimizer state live in CPU RAM")
+    if "training_start" in p.cpu:
+        p.notes.append("FSDP1 pins every shard (and a pinned gradient) before the first forward frees the unpinned "
+                       "copy: training_start holds each shard three times")
     if s.device == "cuda" and s.attn == "eager":
         p.notes.append("eager attention keeps the seq_len x seq_len probabilities of every head")
     fit = p.fits()
