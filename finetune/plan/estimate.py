@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from finetune.plan import load
 from finetune.plan.activations import DTYPE_BYTES, MP_BYTES, activation_terms, targeted
 from finetune.plan.archs import Arch, resolve
-from finetune.plan.pinned import fsdp_offload_bytes
+from finetune.plan.pinned import fsdp1_start_extra_bytes, fsdp_offload_bytes
 from finetune.util.units import GiB, fmt
 CUDA_CONTEXT = GiB // 2  # CUDA context, kernels and cuBLAS workspace: not visible to torch's allocator
 NCCL_BUFFERS = GiB // 4  # communicator buffers once there is more than one process
@@ -274,7 +274,12 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
         # each process: its pinned parameter shards (and FSDP1's pinned gradient for every one of them)
         # plus its optimizer state, which steps on the CPU
         opt_rank = opt["optimizer_8bit"] + opt["optimizer_32bit"]
-        phases["training"] = base + procs * (_offloaded_params(arch, s, w) + opt_rank)
+        units, tensors = _offload_units(arch, s, w)
+        pinned = fsdp_offload_bytes(units, tensors, w["lora"], _shards(s), s.fsdp_version)
+        if s.fsdp_version == 1:
+            # the first forward: pinned copies made, unpinned shards not yet freed, no optimizer state yet
+            phases["training_start"] = base + procs * (pinned + fsdp1_start_extra_bytes(units, _shards(s)))
+        phases["training"] = base + procs * (pinned + opt_rank)
     else:
         phases["training"] = base
     opt_all = (opt["optimizer_8bit"] + opt["optimizer_32bit"]) * _shards(s)
@@ -284,21 +289,25 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
     return phases
 
 
-def _offloaded_params(arch: Arch, s: Setup, w: dict) -> int:
-    """Pinned host bytes of one process's parameter shards under fsdp.cpu_offload (plan.pinned)."""
+def _offload_units(arch: Arch, s: Setup, w: dict) -> tuple[list[int], list[int]]:
+    """What fsdp.cpu_offload pins (plan.pinned): the bytes of each wrapped unit (FSDP1 flattens one), and
+    of each parameter tensor (FSDP2 shards them one by one)."""
     per_layer = (w["base_4bit"] + w["lora"]) // arch.layers
     units = [per_layer] * arch.layers + [w["unquantized"]]  # decoder layers, then the root
     tensors = [packed_4bit_bytes(x.d_in * x.d_out, s.quant_storage) if s.quant in ("nf4", "fp4")
                else x.d_in * x.d_out * DTYPE_BYTES[s.model_dtype]
                for x in arch.linears() for _ in range(x.count)] * arch.layers
     tensors += [arch.vocab * arch.hidden * DTYPE_BYTES[s.model_dtype]] * (1 if arch.tied else 2)
-    return fsdp_offload_bytes(units, tensors, w["lora"], _shards(s), s.fsdp_version)
+    return units, tensors
 
 
 def _notes(p: Plan, w: dict):
     s = p.setup
     if s.offload:
         p.notes.append("fsdp.cpu_offload: sharded weights, gradients and optimizer state live in CPU RAM")
+    if "training_start" in p.cpu:
+        p.notes.append("FSDP1 pins every shard (and a pinned gradient) before the first forward frees the unpinned "
+                       "copy: training_start holds each shard three times")
     if s.device == "cuda" and s.attn == "eager":
         p.notes.append("eager attention keeps the seq_len x seq_len probabilities of every head")
     fit = p.fits()

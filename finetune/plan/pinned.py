@@ -6,6 +6,10 @@ Two facts of the libraries decide it, beyond the tensors' own sizes:
   same size for it (torch/distributed/fsdp/_flat_param.py, init_flat_param_attributes), frozen flat
   parameters (the whole 4-bit base) included; FSDP2's CPUOffloadPolicy pins each parameter's shard and
   keeps gradients only for parameters that train.
+- FSDP1 pins at its lazy init (the first forward), for every flat parameter at once, and the unpinned
+  shard it copied from stays alive as `flat_param.data` until that unit's first unshard (same file,
+  `init_flat_param_attributes` then `pre_unshard`): until the first forward has run through every unit,
+  each process holds three copies of its shards. FSDP2 pins one parameter at a time at wrap time.
 """
 from __future__ import annotations
 
@@ -23,3 +27,9 @@ def fsdp_offload_bytes(unit_bytes: list[int], tensor_bytes: list[int], trained: 
     if version == 1:
         return sum(2 * pow2(-(-u // shard)) for u in unit_bytes)  # local shard + its pinned gradient
     return sum(pow2(-(-t // shard)) for t in tensor_bytes) + pow2(-(-trained // shard))
+
+
+def fsdp1_start_extra_bytes(unit_bytes: list[int], shard: int) -> int:
+    """FSDP1 with CPU offload: the unpinned local shards still alive between lazy init and each unit's
+    first unshard (exact sizes: the CPU allocator does not round), on top of `fsdp_offload_bytes`."""
+    return sum(-(-u // shard) for u in unit_bytes)

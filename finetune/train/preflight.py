@@ -214,6 +214,9 @@ def _cpu_fix(recipe: Recipe, phase: str) -> str:
         if not recipe.model.low_cpu_mem_usage:
             off.append("model.low_cpu_mem_usage: true")
     elif recipe.fsdp.cpu_offload:
+        if phase == "training_start":  # FSDP1's first-forward spike (plan.pinned); FSDP2 pins one tensor at a time
+            return ("set fsdp.version: 2 (FSDP1 holds each shard three times until its first forward ends), or "
+                    "fsdp.cpu_offload: false (if the GPUs can hold the shards), or add RAM/swap")
         off.append("fsdp.cpu_offload: false (if the GPUs can hold the shards)")
     return ("set " + " and ".join(off) + ", or add RAM/swap") if off else "use machines with more RAM (or add swap)"
 

@@ -116,6 +116,22 @@ def test_plan_responds_to_each_knob():
     assert E.build(replace(s, strategy="fsdp", gpus=2)).load_gpu < E.build(s).load_gpu
 
 
+def test_fsdp1_offload_peaks_at_the_first_forward_with_three_copies_of_each_shard():
+    # FSDP1 pins every flat parameter's shard and a pinned gradient at lazy init, while the unpinned shard
+    # stays `flat_param.data` until the unit's first unshard; FSDP2 pins parameter by parameter at wrap time
+    s = E.Setup(model="meta-llama/Llama-2-70b-hf", gpus=2, strategy="fsdp", fsdp_version=1, offload=True,
+                quant_storage="bfloat16", model_dtype="bfloat16", lora_dtype="bfloat16")
+    p = E.build(s)
+    arch, w = p.arch, E.weight_terms(p.arch, s)
+    units = [(w["base_4bit"] + w["lora"]) // arch.layers] * arch.layers + [w["unquantized"]]
+    unpinned = sum(-(-u // 2) for u in units)
+    opt = E.optimizer_terms(arch, s, 2)
+    assert p.cpu["training_start"] - p.cpu["training"] == 2 * (unpinned - opt["optimizer_8bit"] - opt["optimizer_32bit"])
+    assert p.cpu_bytes_peak == p.cpu["training_start"]
+    assert "training_start" not in E.build(replace(s, fsdp_version=2)).cpu
+    assert "training_start" not in E.build(replace(s, offload=False)).cpu
+
+
 def test_eight_bit_optimizer_keeps_small_tensors_in_32_bit():
     arch = archs.resolve("builtin:tiny-llama")[0]
     small = E.optimizer_terms(arch, E.Setup(lora_r=4), 1)  # r x 256 = 1024 < 4096 elements

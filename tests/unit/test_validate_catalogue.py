@@ -197,3 +197,15 @@ def test_cli_exit_code_without_traceback(change, rc, tmp_path):
                          cwd=ROOT, env=env, timeout=60)
     assert out.returncode == rc, out.stdout + out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_fsdp1_offload_start_of_training_spike_names_its_fix():
+    from finetune.recipe import from_dict
+
+    r = from_dict(merge(FSDP, {"fsdp": {"version": 1, "cpu_offload": True}, "lora": {"dtype": "bfloat16"},
+                               "model": {"name": LLAMA8, "dtype": "bfloat16"}}))
+    # 8B on 2 processes: FSDP1 peaks at ~20 GiB before its first forward ends, FSDP2 at ~15 GiB (loading)
+    probs = [p for p in validate.preflight(r, cpu_memory=16 * 2**30, env={}) if p.path == "fsdp.cpu_offload"]
+    assert len(probs) == 1 and "training_start" in probs[0].message and "fsdp.version: 2" in probs[0].fix
+    v2 = merge(FSDP, {"fsdp": {"version": 2, "cpu_offload": True}})
+    assert not [p for p in validate.preflight(from_dict(v2), cpu_memory=16 * 2**30, env={}) if "CPU RAM" in p.message]
