@@ -79,7 +79,7 @@ def latest(root: Path, notice=log.warning) -> Path | None:
 
 
 def save(root: Path, step: int, *, rank: int, world: int, barrier, adapter: tuple | None, optimizer, scheduler,
-         data_state: dict, keep: int, fingerprint: dict | None = None) -> Path:
+         data_state: dict, keep: int, fingerprint: dict | None = None, scaler_state: dict | None = None) -> Path:
     """Collective: every rank calls it. `adapter` is (peft_config, full_state) on rank 0, None elsewhere.
 
     A failed write (disk full, quota) raises OutputWriteError on that rank; the .tmp-* directory is
@@ -93,6 +93,8 @@ def save(root: Path, step: int, *, rank: int, world: int, barrier, adapter: tupl
         barrier()
         _torch_save(optimizer.state_dict(), tmp / f"optimizer-rank{rank}.pt")
         _torch_save(_rng_state(), tmp / f"rng-rank{rank}.pt")
+        if scaler_state:  # fp16: the loss scale reached, so a resumed run does not start over at 2^16
+            _torch_save(scaler_state, tmp / f"scaler-rank{rank}.pt")
         if rank == 0:
             write_adapter(tmp / "adapter", *adapter)
             _torch_save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -207,6 +209,12 @@ def load_training_state(path: Path, rank: int, optimizer, scheduler):
         from finetune.train.device import restore_cuda_rng
 
         restore_cuda_rng(rng["cuda"])  # only the devices visible now (fewer GPUs than at save time is fine)
+
+
+def load_scaler_state(path: Path, rank: int) -> dict:
+    """The fp16 loss scaler's state saved with checkpoint `path` ({} when the run saved none)."""
+    f = path / f"scaler-rank{rank}.pt"
+    return torch.load(f, weights_only=True) if f.exists() else {}
 
 
 def clean_partial(root: Path):

@@ -57,6 +57,7 @@ class Run:
     eval_batches: list | None = None
     metrics: Metrics | None = None
     scaler: object = None  # finetune.train.scaling.LossScaler
+    resumed_from: Path | None = None
 
     @property
     def ckpt_root(self) -> Path:
@@ -91,6 +92,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     run.model.train()
     run.batches = run.epoch_batches()
     run.scaler = make_scaler(run)
+    if run.resumed_from is not None:
+        run.scaler.load_state_dict(checkpoint.load_scaler_state(run.resumed_from, run.acc.process_index))
     stop.armed = True  # until now a signal stopped at once (nothing to checkpoint); now it checkpoints first
     t, rate, last = recipe.train, TokenRate(), {}
     while run.step < run.total_steps:
@@ -104,7 +107,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         last = {"loss": loss, "lr": run.scheduler.get_last_lr()[0]}
         run.metrics.step(run.step, **last)
         if run.step % t.log_every == 0 or run.step == run.total_steps or run.step == 1:
-            skipped = {"skipped_steps": run.scaler.skipped} if run.scaler.enabled else {}
+            skipped = ({"skipped_steps": run.scaler.skipped, "loss_scale": run.scaler.scale_value()}
+                       if run.scaler.enabled else {})
             run.metrics.log(run.step, epoch=run.epoch, loss=round(loss, 6), lr=last["lr"],
                             grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
                             tokens_per_s=rate.per_second(), **skipped)
@@ -173,6 +177,7 @@ def resume(run: Run) -> None:
     if resume_from is not None:
         checkpoint.load_training_state(resume_from, acc.process_index, run.optimizer, run.scheduler)
         run.step, run.epoch, run.cursor = state["step"], state["data"]["epoch"], state["data"]["cursor"]
+        run.resumed_from = resume_from
         log.info(f"resume: from {resume_from} (step {run.step})")
 
 
@@ -301,7 +306,7 @@ def save_checkpoint(run: Run):
                     barrier=acc.wait_for_everyone, adapter=(cfg, state) if acc.is_main_process else None,
                     optimizer=run.optimizer, scheduler=run.scheduler,
                     data_state={"epoch": run.epoch, "cursor": run.cursor}, keep=t.keep_checkpoints,
-                    fingerprint=run_fingerprint(run))
+                    fingerprint=run_fingerprint(run), scaler_state=run.scaler.state_dict() if run.scaler else None)
 
 
 def run_fingerprint(run: Run) -> dict:

@@ -1,6 +1,8 @@
 """LoRA spec -> peft config; apply it; keep the trainable weights in the adapter dtype (fp32 by default)."""
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from finetune.recipe import LoraSpec
@@ -25,7 +27,11 @@ def apply_lora(model, spec: LoraSpec, seed: int):
     from peft import get_peft_model
 
     torch.manual_seed(seed)
-    model = get_peft_model(model, peft_config(spec), autocast_adapter_dtype=False)
+    with warnings.catch_warnings():
+        # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias, and transformers 5 then
+        # prints a FutureWarning on every run that no user can act on; the value read is the same.
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(model, peft_config(spec), autocast_adapter_dtype=False)
     # Master copies of the trainable weights stay in the adapter dtype (fp32 default): the optimizer updates
     # them exactly while autocast does the matmuls in bf16.
     dtype = torch_dtype(spec.dtype)

@@ -57,6 +57,9 @@ class LossScaler:
             return False
         return True
 
+    def scale_value(self) -> float:
+        return float(self.scaler.get_scale()) if self.enabled else 1.0
+
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.enabled else {}
 

@@ -89,6 +89,12 @@ def test_fp16_run_counts_skipped_steps_in_metrics(tmp_path, monkeypatch, capsys)
     assert "fp16: step 1 skipped" in capsys.readouterr().err
     adapter = load_file(str(tmp_path / "run" / "adapter" / "adapter_model.safetensors"))
     assert all(not v.any() for k, v in adapter.items() if "lora_B" in k)  # B starts at zero and never stepped
+    # The loss scale is checkpointed: a resumed run goes on from the halved scale (2^38 after two skips),
+    # not from the scaler's initial 2^40, so its third skip ends at 2^37.
+    assert [x["loss_scale"] for x in rows if "loss" in x] == [2.0 ** 39, 2.0 ** 38]
+    out = train(r.model_copy(update={"train": r.train.model_copy(update={"max_steps": 3})}), tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["loss_scale"] for x in rows if "loss" in x and x["step"] == 3] == [2.0 ** 37]
 
 
 # ---------------------------------------------------------------------------------------------------
