@@ -1,7 +1,7 @@
 """The load phase of a run, as the streaming loader (train/load.py, train/base.py) runs it: memory per GPU,
 per process and per machine while the base model arrives, from shapes alone.
 
-One reader per machine at most (rank 0) reads one checkpoint tensor at a time: safetensors' copy of it in
+One reader per machine (its local rank 0) reads one checkpoint tensor at a time: safetensors' copy of it in
 the checkpoint dtype (bf16) plus the cast to model.dtype, on the reader's device. A 4-bit target weight is
 quantized there (its packed bytes and blockwise constants beside the cast copy); every rank receives the
 whole tensor (packed, or plain in model.dtype) and keeps its part:

@@ -150,6 +150,21 @@ def _fsdp2_params(model) -> dict:
     return out
 
 
+def _local_chunk(module, pname: str, rank: int, world: int) -> torch.Tensor:
+    """This rank's dim-0 chunk of one parameter. A plain tensor (embedding, output head, norms) is sent
+    chunk by chunk, each rank receiving only its rows; a 4-bit weight is quantized whole on the reader
+    (quantization state covers the whole weight) and its packed bytes, a quarter of the bf16 size, are
+    broadcast and cut here."""
+    stream, shape = module._finetune_stream, full_shape(module, pname)
+    pl = stream.placement
+    packed = hasattr(module, "_finetune_q") and pname == "weight"
+    if not packed and len(shape) and (rank, world) == (pl.rank, pl.world):
+        return stream.plain_chunk(module._finetune_keys[pname], module._finetune_dtypes[pname], shape, rank, world)
+    full = materialize(stream, module, pname)
+    chunks = torch.chunk(full.data, world, dim=0)
+    return chunks[rank].clone() if rank < len(chunks) else full.data.new_empty((0, *full.shape[1:]))
+
+
 def fill_fsdp2_shards(model) -> None:
     """After `fully_shard` on the meta placeholders: stream every tagged parameter and keep this rank's dim-0
     chunk, exactly the rows `fully_shard` would have kept of the whole tensor (torch.chunk; the last rank's
@@ -162,11 +177,7 @@ def fill_fsdp2_shards(model) -> None:
         old = fp.sharded_param
         if not old._local_tensor.is_meta:
             continue
-        full = materialize(module._finetune_stream, module, pname)
-        rank, world = old.device_mesh.get_local_rank(), old.device_mesh.size()
-        chunks = torch.chunk(full.data, world, dim=0)
-        local = chunks[rank].clone() if rank < len(chunks) else full.data.new_empty((0, *full.shape[1:]))
-        del full, chunks
+        local = _local_chunk(module, pname, old.device_mesh.get_local_rank(), old.device_mesh.size())
         if fp.offload_to_cpu:
             local = local.cpu()
         new = torch.nn.Parameter(DTensor.from_local(local, old.device_mesh, old.placements, run_check=False,

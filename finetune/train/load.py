@@ -2,9 +2,10 @@
 
 The model is built on the meta device from config.json (transformers' own bitsandbytes quantizer swaps
 the target linears for `Linear4bit`, exactly as `from_pretrained` does). Then the checkpoint's safetensors
-are read one tensor at a time by rank 0 only; each linear weight is quantized on rank 0's device (or, for a
-pre-quantized `*-bnb-4bit` checkpoint, its packed bytes and quantization state are read as stored) and
-broadcast to the other ranks, which keep what their placement says:
+are read one tensor at a time by one reader per machine (its local rank 0); each linear weight is quantized
+on the reader's device, in blocks of rows (or, for a pre-quantized `*-bnb-4bit` checkpoint, its packed bytes
+and quantization state are read as stored) and broadcast to the machine's other ranks, which keep what their
+placement says (under FSDP2 a plain tensor is instead sent to each rank as its own rows only):
 
 - `whole` (one process, or replicas): every tensor is set at once; the bf16 weights are never all held,
   only one tensor at a time.
@@ -39,16 +40,32 @@ class Placement:
     rank: int = 0
     world: int = 1
     device: torch.device = torch.device("cpu")
+    reader: int = 0  # global rank of this machine's reader: its local rank 0
+    local_world: int = 1  # processes on this machine: ranks reader .. reader + local_world - 1
+    group: object = None  # this machine's process group; None when the job is one machine
 
 
 def placement_for(accelerator) -> Placement:
-    """The placement an Accelerator implies: FSDP (1 or 2) shards, anything else holds the whole model."""
+    """The placement an Accelerator implies: FSDP (1 or 2) shards, anything else holds the whole model.
+    One reader per machine: on several machines each gets a process group of its own processes (torchrun
+    numbers ranks machine by machine), so the checkpoint crosses no network; on one machine, the default
+    group."""
+    import os
+
     from accelerate.utils import DistributedType
 
     mode = "whole"
     if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:
         mode = f"fsdp{accelerator.state.fsdp_plugin.fsdp_version}"
-    return Placement(mode, accelerator.process_index, accelerator.num_processes, accelerator.device)
+    rank, world = accelerator.process_index, accelerator.num_processes
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    group = None
+    if 1 < world and local_world < world:
+        import torch.distributed as dist
+
+        group, _ = dist.new_subgroups(group_size=local_world)  # collective: every rank creates every group
+    return Placement(mode, rank, world, accelerator.device, rank - accelerator.local_process_index, local_world,
+                     group)
 
 
 class Checkpoint:
@@ -77,39 +94,48 @@ class Checkpoint:
         with safe_open(self.where[key], framework="pt") as h:
             return h.get_tensor(key)
 
+    def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of tensor `key` (dim 0), read without reading the rest of it."""
+        from safetensors import safe_open
+
+        with safe_open(self.where[key], framework="pt") as h:
+            return h.get_slice(key)[start:stop]
+
     def quant_stats(self, key: str) -> dict:
         """The stored quantization state of the packed weight `key` (a `*-bnb-4bit` checkpoint)."""
         return {k[len(key) + 1:]: self.read(k) for k in self.where if k.startswith(key + ".")}
 
 
 class Stream:
-    """Rank 0 reads (and quantizes); every rank receives. Collective: all ranks call in the same order."""
+    """This machine's reader (its local rank 0) reads (and quantizes); the machine's other ranks receive.
+    Collective: all ranks call in the same order."""
 
     def __init__(self, ckpt: Checkpoint, placement: Placement, dtype: torch.dtype):
         self.ckpt, self.placement, self.dtype = ckpt, placement, dtype
 
     def _share(self, make) -> tuple[torch.Tensor, object]:
-        """(tensor, info) made by rank 0's `make()`, on every rank; the tensor travels as raw bytes so any
-        dtype (packed bf16 storage included) crosses any backend unchanged."""
+        """(tensor, info) made by the reader's `make()`, on every rank of its machine; the tensor travels as
+        raw bytes so any dtype (packed bf16 storage included) crosses any backend unchanged."""
         pl = self.placement
         if pl.world == 1:
             return make()
         import torch.distributed as dist
 
         header = [None]
-        if pl.rank == 0:
+        reading = pl.rank == pl.reader
+        if reading:
             t, info = make()
             header = [(tuple(t.shape), t.dtype, info)]
-        dist.broadcast_object_list(header, src=0)
+        dist.broadcast_object_list(header, src=pl.reader, group=pl.group)
         shape, dtype, info = header[0]
         comm = torch.device("cpu") if dist.get_backend() == "gloo" else pl.device
-        if pl.rank == 0:
+        if reading:
             buf = t.contiguous().view(-1).view(torch.uint8).to(comm)
         else:
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             buf = torch.empty(nbytes, dtype=torch.uint8, device=comm)
-        dist.broadcast(buf, src=0)
-        if pl.rank == 0:
+        dist.broadcast(buf, src=pl.reader, group=pl.group)
+        if reading:
             return t, info
         return buf.to(pl.device).view(dtype).view(shape), info
 
@@ -128,12 +154,42 @@ class Stream:
                 packed = self.ckpt.read(key).to(dev)
                 stats = self.ckpt.quant_stats(key)
             else:
-                packed, qs = quantize(self.ckpt.read(key).to(dev, self.dtype), module)
+                packed, qs = quantize_from(self.ckpt, key, module, self.dtype, dev)
                 stats = {k: v.cpu() if torch.is_tensor(v) else v for k, v in qs.as_dict(packed=True).items()}
             return packed, stats
 
         packed, stats = self._share(make)
         return packed, QuantState.from_dict(dict(stats), device=dev)
+
+    def plain_chunk(self, key: str, dtype: torch.dtype, shape: tuple, index: int, parts: int) -> torch.Tensor:
+        """torch.chunk(whole, parts)[index] (empty past the last chunk) of the plain tensor `key`, on this
+        rank, for FSDP2. The reader reads each other rank of its machine's rows alone and sends them to that
+        rank alone, then reads its own: no process holds the whole tensor (a broadcast would make every rank
+        hold it, which for the embedding or the output head is the biggest transient of the load).
+        `index`/`parts` equal this process's rank/world (the caller checks). Collective, in the same order."""
+        import torch.distributed as dist
+
+        pl, rows = self.placement, shape[0]
+        size = -(-rows // parts)
+
+        def bounds(r: int) -> tuple[int, int]:
+            return min(r * size, rows), min((r + 1) * size, rows)
+
+        comm = torch.device("cpu") if dist.get_backend() == "gloo" else pl.device
+        if index == pl.reader:
+            for r in range(pl.reader + 1, pl.reader + pl.local_world):  # this machine's other ranks
+                lo, hi = bounds(r)
+                if hi > lo:
+                    part = self.ckpt.read_rows(key, lo, hi).to(comm, dtype).contiguous()
+                    dist.send(part.view(-1).view(torch.uint8), dst=r)
+                    del part
+            lo, hi = bounds(index)
+            return self.ckpt.read_rows(key, lo, hi).to(pl.device, dtype).contiguous()
+        lo, hi = bounds(index)
+        buf = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=comm)
+        if hi > lo:
+            dist.recv(buf.view(-1).view(torch.uint8), src=pl.reader)
+        return buf.to(pl.device)
 
 
 QUANT_CHUNK = 2**20  # elements quantized at once: a multiple of every block size and storage width
@@ -151,20 +207,41 @@ def quantize(weight: torch.Tensor, module) -> tuple[torch.Tensor, object]:
     same packed bytes and absmax; the second level (double quantization: the absmax minus its mean,
     quantized in blocks of 256) runs once on the whole absmax, as bitsandbytes runs it. The result equals
     quantize_4bit's byte for byte (tests/unit/test_stream_quantize.py)."""
+    flat = weight.reshape(-1)
+    pieces = (flat[start:start + QUANT_CHUNK] for start in range(0, flat.numel(), QUANT_CHUNK))
+    return quantize_pieces(pieces, weight.shape, weight.dtype, weight.device, module)
+
+
+def quantize_from(ckpt: Checkpoint, key: str, module, dtype: torch.dtype, device) -> tuple[torch.Tensor, object]:
+    """`quantize` of the checkpoint's weight `key`, read in blocks of rows of about QUANT_CHUNK elements, so
+    the reader never holds the whole unquantized weight either. A block must be a whole number of
+    quantization blocks for the result to equal quantize_4bit's; when the row length does not allow it
+    (no real model's), the weight is read whole."""
+    rows, cols = module.out_features, module.in_features
+    step = max(1, QUANT_CHUNK // cols)
+    if (step * cols) % module._finetune_q["blocksize"]:
+        return quantize(ckpt.read(key).to(device, dtype), module)
+    pieces = (ckpt.read_rows(key, s, min(s + step, rows)).to(device, dtype).reshape(-1) for s in range(0, rows, step))
+    return quantize_pieces(pieces, torch.Size((rows, cols)), dtype, device, module)
+
+
+def quantize_pieces(pieces, shape: torch.Size, dtype: torch.dtype, device, module) -> tuple[torch.Tensor, object]:
+    """quantize_4bit of the weight whose flat elements are the concatenation of `pieces`, each (but the
+    last) a whole number of quantization blocks."""
     import bitsandbytes.functional as F
 
     q = module._finetune_q
-    flat = weight.reshape(-1)
     packed, absmax = [], []
-    for start in range(0, flat.numel(), QUANT_CHUNK):
-        p, a = torch.ops.bitsandbytes.quantize_4bit.default(flat[start:start + QUANT_CHUNK], q["blocksize"],
-                                                             q["quant_type"], q["quant_storage"])
+    for piece in pieces:
+        p, a = torch.ops.bitsandbytes.quantize_4bit.default(piece, q["blocksize"], q["quant_type"],
+                                                             q["quant_storage"])
         packed.append(p)
         absmax.append(a)
+        del piece, p, a
+        trim_heap()  # the kernel's ~13 bytes/element of temporaries (see quantize), freed but kept by malloc
     packed, absmax = torch.cat(packed), torch.cat(absmax)
-    code = F.get_4bit_type(q["quant_type"], device=weight.device)
-    common = dict(shape=weight.shape, dtype=weight.dtype, blocksize=q["blocksize"], code=code,
-                  quant_type=q["quant_type"])
+    code = F.get_4bit_type(q["quant_type"], device=device)
+    common = dict(shape=shape, dtype=dtype, blocksize=q["blocksize"], code=code, quant_type=q["quant_type"])
     if not q["compress_statistics"]:
         return packed, F.QuantState(absmax=absmax, **common)
     offset = absmax.mean()
@@ -178,10 +255,18 @@ def release_freed_memory() -> None:
     collector (bitsandbytes' parameter and state objects), and glibc keeps freed mid-size blocks in its
     heap once its mmap threshold has grown to the largest tensor freed so far. Without this, a rank's RSS
     after loading its half of a model was two to three times that half."""
-    import ctypes
     import gc
 
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """glibc's malloc_trim: return the heap's free pages to the OS. Measured on the reader: without a trim
+    after each piece, quantizing one 5632 x 2048 weight left the heap ~90 MiB larger (four times the bf16
+    weight: each piece's temporaries landed beside the pieces kept), most of a reader's extra peak."""
+    import ctypes
+
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim

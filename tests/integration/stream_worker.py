@@ -85,13 +85,14 @@ def main(argv: list[str]) -> int:
     acc = D.make_accelerator(DistributedSpec(strategy=args.strategy), FsdpSpec(version=args.version), train,
                              "float32")
     spec = ModelSpec(name=args.model, gradient_checkpointing=False)
-    model = apply_lora(load_model(spec, QuantizationSpec(), placement_for(acc), quiet=True),
+    placement = placement_for(acc)
+    model = apply_lora(load_model(spec, QuantizationSpec(), placement, quiet=True),
                        LoraSpec(r=8, alpha=16, dropout=0.0), seed=0)
     opt = build_optimizer(model.named_parameters(), train)
     model, opt = D.prepare(acc, model, opt)
     with torch.no_grad():
         logits = model(input_ids=torch.arange(24).view(2, 12) % 300).logits.float()
-    facts = {"logits": logits, "fsdp2": fsdp2_holdings(model)}
+    facts = {"logits": logits, "fsdp2": fsdp2_holdings(model), "reader": placement.reader}
     if args.strategy == "fsdp" and args.version == 1:
         facts["fsdp1"] = fsdp1_holdings(model)
     out = Path(args.out)

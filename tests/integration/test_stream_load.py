@@ -55,9 +55,27 @@ def _equal_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_fsdp2_ranks_hold_their_chunk_of_one_process_load(tmp_path, reference):
-    ref, _ = reference
-    ranks = _run(tmp_path, SYNTH, 2, "--version", "2")
+def _two_machines(out: Path, model: str) -> list[dict]:
+    """2 FSDP2 processes launched as two machines of one process each (two torchrun agents, node ranks 0
+    and 1): each is its own machine's reader."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    logs = [out.parent / f"{out.name}-node{n}.log" for n in (0, 1)]
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                               str(WORKER), str(out), model, "--version", "2"],
+                              env=env, stdout=logs[n].open("w"), stderr=subprocess.STDOUT) for n in (0, 1)]
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _assert_fsdp2_chunks(ref: dict, ranks: list[dict]) -> None:
     assert ref and ranks[0]["fsdp2"].keys() == ref.keys()
     for name, whole in ref.items():
         packed = whole["packed"].view(whole["rows"], -1)
@@ -72,6 +90,20 @@ def test_fsdp2_ranks_hold_their_chunk_of_one_process_load(tmp_path, reference):
     total = sum(f["fsdp2"][n]["packed"].numel() for f in ranks for n in ref)
     assert total <= sum(w["packed"].numel() for w in ref.values()) + 2 * len(ref) * 16  # halves, not wholes
     torch.testing.assert_close(ranks[0]["logits"], ranks[1]["logits"])
+
+
+def test_fsdp2_ranks_hold_their_chunk_of_one_process_load(tmp_path, reference):
+    ranks = _run(tmp_path, SYNTH, 2, "--version", "2")
+    _assert_fsdp2_chunks(reference[0], ranks)
+    assert [r["reader"] for r in ranks] == [0, 0]  # one machine: rank 0 reads for both
+
+
+def test_one_reader_per_machine(tmp_path, reference):
+    """Two machines: each machine's local rank 0 reads for its own machine (its own process group), and the
+    shards are the same as with one reader."""
+    ranks = _two_machines(tmp_path / "out", SYNTH)
+    _assert_fsdp2_chunks(reference[0], ranks)
+    assert [r["reader"] for r in ranks] == [0, 1]  # each machine's local rank 0 reads
 
 
 def test_fsdp1_flat_shards_are_slices_of_one_process_load(tmp_path, reference):

@@ -29,3 +29,27 @@ def test_pieces_equal_one_call(shape, storage, nested, qtype, monkeypatch):
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     a, b = got_state.as_dict(packed=True), want_state.as_dict(packed=True)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("shape,blocks", [((100, 192), True), ((40, 77), False)])
+def test_row_blocks_from_checkpoint_equal_one_call(shape, blocks, tmp_path, monkeypatch):
+    """quantize_from reads the weight in blocks of rows (never whole) when a block of rows is a whole number
+    of quantization blocks, and reads it whole otherwise; either way the result is quantize_4bit's."""
+    import bitsandbytes.functional as F
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(load, "QUANT_CHUNK", 2**11)
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
+    save_file({"w": w}, tmp_path / "model.safetensors")
+    ckpt = load.Checkpoint(tmp_path)
+    reads = []
+    monkeypatch.setattr(load.Checkpoint, "read", lambda self, key: reads.append("whole") or w.clone())
+    module = _Module(blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16)
+    module.out_features, module.in_features = shape
+    got, got_state = load.quantize_from(ckpt, "w", module, torch.bfloat16, torch.device("cpu"))
+    want, want_state = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4",
+                                       quant_storage=torch.bfloat16)
+    assert reads == ([] if blocks else ["whole"])
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    a, b = got_state.as_dict(packed=True), want_state.as_dict(packed=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
