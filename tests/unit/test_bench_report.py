@@ -31,6 +31,10 @@ ROWS = {
     "loss_memory": {"tokens": 4096, "vocab": 128256, "precision": "no", "loss_memory_ratio": 23.1, "same_loss": True,
                     "chunked": {"measured_bytes": 2.73e8, "planned_bytes": 2.70e8, "plan_error": -0.009, "loss": 1.0},
                     "full": {"measured_bytes": 6.31e9, "planned_bytes": 6.30e9, "plan_error": -0.001, "loss": 1.0}},
+    "load_rss": {"model": "synthetic:x", "checkpoint_bytes": 2.14e9, "FSDP2 x2 ratio": 0.62, "FSDP1 x2 ratio": 0.81,
+                 "ratio_2_over_1": 0.81, "single_growth_over_model": 0.99, "plan_error": 0.14,
+                 "runs": {"1 process": {"planned_reader": 6.5e8, "ranks": [{"rank": 0, "growth": 5.96e8,
+                                                                             "held_bytes": 6.0e8}]}}},
 }
 
 
@@ -146,6 +150,8 @@ def test_main_writes_results_and_prints_json_last(monkeypatch, tmp_path, capsys)
     assert "With torch's own kernel choice the ratio is 0.986." in text
     assert "## 8. Loss memory" in text and "Full / chunked: **23.1x**" in text
     assert last["loss_memory_ratio"] == 23.1
+    assert "## 9. Loading memory" in text and "FSDP2 0.620, FSDP1 0.810 (goal <= 0.6)" in text
+    assert last["load_rss_ratio_2_over_1"] == 0.81
 
 
 def test_main_exit_codes(monkeypatch, tmp_path, capsys):
