@@ -183,7 +183,7 @@ def enable_checkpointing(model, spec: ModelSpec):
     if not spec.gradient_checkpointing:
         return
     kwargs = {"use_reentrant": spec.reentrant_checkpointing}
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # transformers 5 name
     if spec.reentrant_checkpointing:
         # Reentrant checkpointing only builds a graph when an input requires grad.
         model.enable_input_require_grads()
