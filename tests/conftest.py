@@ -30,3 +30,13 @@ def run_cli(args, cwd=None, timeout=600, env=None):
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=cwd or ROOT, capture_output=True,
                           text=True, timeout=timeout, env=e)
+
+
+@pytest.fixture(scope="session")
+def tok():
+    """The builtin tiny tokenizer, straight from the assets (tests that need another define their own)."""
+    from transformers import AutoTokenizer
+
+    from finetune.util import builtin as tiny
+
+    return AutoTokenizer.from_pretrained(tiny.ASSETS / f"tiny-llama-{tiny.VERSION}")

@@ -106,6 +106,13 @@ class Checkpoint:
         return {k[len(key) + 1:]: self.read(k) for k in self.where if k.startswith(key + ".")}
 
 
+def _comm_device(pl: Placement) -> torch.device:
+    """Where broadcast buffers live: gloo moves host tensors only (the CPU harness); NCCL needs them on the GPU."""
+    import torch.distributed as dist
+
+    return torch.device("cpu") if dist.get_backend() == "gloo" else pl.device
+
+
 class Stream:
     """This machine's reader (its local rank 0) reads (and quantizes); the machine's other ranks receive.
     Collective: all ranks call in the same order."""
@@ -128,7 +135,7 @@ class Stream:
             header = [(tuple(t.shape), t.dtype, info)]
         dist.broadcast_object_list(header, src=pl.reader, group=pl.group)
         shape, dtype, info = header[0]
-        comm = torch.device("cpu") if dist.get_backend() == "gloo" else pl.device
+        comm = _comm_device(pl)
         if reading:
             buf = t.contiguous().view(-1).view(torch.uint8).to(comm)
         else:
@@ -175,7 +182,7 @@ class Stream:
         def bounds(r: int) -> tuple[int, int]:
             return min(r * size, rows), min((r + 1) * size, rows)
 
-        comm = torch.device("cpu") if dist.get_backend() == "gloo" else pl.device
+        comm = _comm_device(pl)
         if index == pl.reader:
             for r in range(pl.reader + 1, pl.reader + pl.local_world):  # this machine's other ranks
                 lo, hi = bounds(r)

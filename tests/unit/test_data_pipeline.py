@@ -12,15 +12,6 @@ from finetune.recipe import DataSource, DataSpec
 from finetune.util.errors import RecipeError
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from finetune.util import builtin as tiny
-
-    return AutoTokenizer.from_pretrained(tiny.ASSETS / f"tiny-llama-{tiny.VERSION}")
-
-
 @pytest.fixture(autouse=True)
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
