@@ -84,6 +84,6 @@ def test_data_show_marks_ids_the_tokenizer_lacks(tok):
 def test_data_command_refuses_ids_beyond_the_model_vocabulary():
     from tests.conftest import run_cli
 
-    p = run_cli("data", "recipes/tiny_cpu.yaml", "--dataset", "synthetic:tokens?rows=10&vocab=1000")
+    p = run_cli(["data", "recipes/tiny_cpu.yaml", "--dataset", "synthetic:tokens?rows=10&vocab=1000"])
     assert p.returncode == 2, p.stderr[-2000:]
     assert "outside the model's vocabulary (384 ids)" in p.stderr and "Traceback" not in p.stderr
