@@ -39,12 +39,25 @@ def render(example: dict, tok, color: bool) -> str:
     out, start = [], 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or trained[i] != trained[start]:
-            text = tok.decode(ids[start:i])
+            text = _decode(tok, ids[start:i])
             if trained[start]:
                 text = (GREEN + text + RESET) if color else (OPEN + text + CLOSE)
             out.append(text)
             start = i
     return "".join(out)
+
+
+def _decode(tok, ids: list[int]) -> str:
+    """Decoded text; ids the tokenizer does not have (pre-tokenized or synthetic rows for a model with a
+    larger vocabulary) show as <id N>, where decode would drop them silently."""
+    size, out, run = len(tok), [], []
+    for t in ids:
+        if t < size:
+            run.append(t)
+            continue
+        out += [tok.decode(run), f"<id {t}>"]
+        run = []
+    return "".join(out) + tok.decode(run)
 
 
 def summary(stats: dict, data_spec) -> list[str]:
@@ -87,6 +100,7 @@ def run(args) -> int:
     from finetune.data.batching import batch_stats, packing_layout
     from finetune.data.encode import IGNORE
     from finetune.data.prepare import prepare
+    from finetune.plan.archs import vocab_size
     from finetune.recipe import DataSource
     from finetune.train.model import resolve_attention
 
@@ -97,7 +111,7 @@ def run(args) -> int:
         recipe.data.sources = [DataSource(path=args.dataset)]
         recipe.data.eval_sources = []
     tok = _tokenizer(recipe.model)
-    prepared = prepare(recipe.data, tok)
+    prepared = prepare(recipe.data, tok, vocab_size(recipe.model.name))
     stats = dict(prepared.stats)
     stats.update(batch_stats(prepared.train, recipe.train.micro_batch_size, recipe.data.max_seq_len))
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())

@@ -115,6 +115,9 @@ def encode(row: dict, fmt: str, tok, spec: DataSpec) -> dict:
         msgs = [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")), "content": t.get("value")}
                 for t in row["conversations"]]
         return _chat(tok, _cut_turns(msgs, n), template, spec.train_on_inputs)
+    if fmt == "tokens":  # pre-tokenized: used as they are (no special tokens added); labels default to all
+        ids = list(row["input_ids"])
+        return {"input_ids": ids, "labels": list(row["labels"]) if row.get("labels") is not None else list(ids)}
     if fmt == "text":  # continued pretraining: every token trains
         ids = _ids(tok, _str(row, "text"), special=True, max_len=n) + _eos(tok)
         return {"input_ids": ids, "labels": list(ids)}

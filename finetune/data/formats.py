@@ -37,6 +37,8 @@ class BadRows:
 
 
 def detect_format(row: dict) -> str | None:
+    if "input_ids" in row:
+        return "tokens"
     if "messages" in row:
         return "messages"
     if "conversations" in row:
@@ -80,8 +82,31 @@ def _chat(msgs, key: str, role_key="role", content_key="content", roles=CHAT_ROL
     return None
 
 
+def _token_list(row: dict, key: str, allow_ignore: bool) -> str | None:
+    v = row.get(key)
+    if not isinstance(v, list) or not v:
+        return f"field '{key}' must be a non-empty list of token ids, got {type(v).__name__}"
+    for i, t in enumerate(v):
+        if type(t) is not int or (t < 0 and not (allow_ignore and t == -100)):
+            return f"{key}[{i}] must be a token id (an integer >= 0{' or -100' if allow_ignore else ''}), got {t!r}"
+    return None
+
+
+def _tokens(row: dict) -> str | None:
+    """Pre-tokenized rows: `input_ids`, and optionally `labels` of the same length (-100: not trained)."""
+    why = _token_list(row, "input_ids", allow_ignore=False)
+    if why or row.get("labels") is None:
+        return why
+    why = _token_list(row, "labels", allow_ignore=True)
+    if not why and len(row["labels"]) != len(row["input_ids"]):
+        why = f"field 'labels' has {len(row['labels'])} entries, 'input_ids' {len(row['input_ids'])}"
+    return why
+
+
 def check_row(row: dict, fmt: str) -> str | None:
     """Why `row` cannot be used as `fmt`, or None when it can."""
+    if fmt == "tokens":
+        return _tokens(row)
     if fmt == "text":
         return _text(row, "text")
     if fmt == "prompt_completion":

@@ -118,11 +118,15 @@ def prune_cache(directory, keep: set, cap: int) -> list:
     return removed
 
 
-def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict) -> list[int]:
-    """Indices of examples that train, after bad rows and the length policy (counted in `counts`)."""
+def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict, vocab_size: int | None = None) -> list[int]:
+    """Indices of examples that train, after bad rows and the length policy (counted in `counts`). With
+    `vocab_size`, a token id the model's embedding does not have makes the row bad (on a GPU it would
+    stop the run with a device-side assert, far from the row that caused it)."""
     kept = []
     for i, ex in enumerate(examples):
         err = ex.pop("error")
+        if not err and vocab_size and ex["input_ids"] and max(ex["input_ids"]) >= vocab_size:
+            err = f"token id {max(ex['input_ids'])} is outside the model's vocabulary ({vocab_size} ids)"
         if err:
             bad.add(ex["where"], err)
             continue
@@ -148,12 +152,12 @@ def _weighted(rows: list, weight: float, rng: random.Random) -> list:
     return rows * whole + rng.sample(rows, round(frac * len(rows)))
 
 
-def _read_all(spec: DataSpec, bad: BadRows, rng: random.Random):
+def _read_all(spec: DataSpec, bad: BadRows, rng: random.Random, vocab_size: int | None = None):
     """(train pairs, eval pairs, per-source stats). Each source is split before weighting, so a repeated
     row can never sit on both sides of the split."""
     train, held, per_source = [], [], []
     for i, src in enumerate(spec.sources):
-        fmt, rows = read_source(src, bad, f"data.sources[{i}]")
+        fmt, rows = read_source(src, bad, f"data.sources[{i}]", vocab_size)
         rng.shuffle(rows)
         n_eval = 0
         if not spec.eval_sources and spec.eval_split > 0 and len(rows) > 1:
@@ -164,7 +168,7 @@ def _read_all(spec: DataSpec, bad: BadRows, rng: random.Random):
         per_source.append({"path": src.path, "format": fmt, "rows_read": len(rows), "rows_eval": n_eval,
                            "rows_train": len(mixed), "weight": src.weight})
     for i, src in enumerate(spec.eval_sources):
-        fmt, rows = read_source(src, bad, f"data.eval_sources[{i}]")
+        fmt, rows = read_source(src, bad, f"data.eval_sources[{i}]", vocab_size)
         held += [(fmt, r) for r in rows]
     if len(spec.sources) > 1:  # interleave the sources (one source is already in shuffled order)
         rng.shuffle(train)
@@ -179,16 +183,17 @@ def _check_templates(pairs, spec: DataSpec, tok):
                            "set data.chat_template to a Jinja template or `chatml`"])
 
 
-def prepare(spec: DataSpec, tok) -> Prepared:
-    """All sources -> mixed, shuffled, split, encoded (cached) train and eval examples, plus stats."""
+def prepare(spec: DataSpec, tok, vocab_size: int | None = None) -> Prepared:
+    """All sources -> mixed, shuffled, split, encoded (cached) train and eval examples, plus stats.
+    `vocab_size` (the model's, when known) sizes synthetic token sources and bounds every row's ids."""
     bad = BadRows(spec.on_bad_row)
-    train_pairs, eval_pairs, per_source = _read_all(spec, bad, random.Random(spec.shuffle_seed))
+    train_pairs, eval_pairs, per_source = _read_all(spec, bad, random.Random(spec.shuffle_seed), vocab_size)
     _check_templates(train_pairs + eval_pairs, spec, tok)
     counts = {"truncated": 0, "dropped_overlong": 0, "no_trained_tokens": 0}
     train = encode_cached(train_pairs, tok, spec, "train")
-    train = [train[i] for i in _keep(train, spec, bad, counts)]
+    train = [train[i] for i in _keep(train, spec, bad, counts, vocab_size)]
     evals = encode_cached(eval_pairs, tok, spec, "eval") if eval_pairs else []
-    kept = _keep(evals, spec, bad, dict(counts))
+    kept = _keep(evals, spec, bad, dict(counts), vocab_size)
     evals, eval_rows = [evals[i] for i in kept], [eval_pairs[i][1] for i in kept]
     bad.check()
     if not train:

@@ -15,6 +15,7 @@ from finetune.data.readers import SUFFIXES, read_file, read_jsonl
 from finetune.recipe import DataSource
 from finetune.util.builtin import builtin_dir
 from finetune.util.errors import RecipeError
+from finetune.util.synthetic import is_synthetic_tokens, parse_tokens, token_rows
 
 
 def source_files(path: str) -> list[Path]:
@@ -88,8 +89,20 @@ def _is_hub_id(path: str) -> bool:
         and Path(path).suffix.lower() not in SUFFIXES
 
 
-def iter_rows(src: DataSource, bad: BadRows) -> Iterator[dict]:
-    if src.path.startswith("builtin:"):
+def synthetic_rows(src: DataSource, vocab_size: int | None) -> Iterator[dict]:
+    opts = parse_tokens(src.path)
+    vocab = opts["vocab"] or vocab_size
+    if not vocab:
+        raise RecipeError([f"data: {src.path}: the model's vocabulary size is not known here; add vocab=N"])
+    for i, row in enumerate(token_rows(opts, src.split, vocab)):
+        row["_where"] = f"{src.path} row {i + 1}"
+        yield row
+
+
+def iter_rows(src: DataSource, bad: BadRows, vocab_size: int | None = None) -> Iterator[dict]:
+    if is_synthetic_tokens(src.path):
+        yield from synthetic_rows(src, vocab_size)
+    elif src.path.startswith("builtin:"):
         f = builtin_dir(src.path, "data", kind="dataset") / f"{src.split}.jsonl"
         if not f.exists():
             raise RecipeError([f"data: builtin dataset {src.path} has no split '{src.split}'"])
@@ -101,14 +114,14 @@ def iter_rows(src: DataSource, bad: BadRows) -> Iterator[dict]:
         yield from read_hub(src, bad)
 
 
-def read_source(src: DataSource, bad: BadRows, label: str) -> tuple[str, list[dict]]:
+def read_source(src: DataSource, bad: BadRows, label: str, vocab_size: int | None = None) -> tuple[str, list[dict]]:
     """(format, checked rows) of one source: fields renamed, format detected from the first row (unless
     declared), every row checked against it, at most `max_samples` good rows (in file order)."""
     fmt, rows, bad_before = src.format, [], len(bad)
     rename = {old: new for new, old in src.fields.items()}
     from datasets.utils import tqdm  # honours datasets' progress-bar switch; silent when not a terminal
 
-    for row in tqdm(iter_rows(src, bad), desc=f"reading {src.path}", unit=" rows", leave=False, disable=None):
+    for row in tqdm(iter_rows(src, bad, vocab_size), desc=f"reading {src.path}", unit=" rows", leave=False, disable=None):
         if rename:
             row = {rename.get(k, k): v for k, v in row.items()}
         if fmt == "auto":
@@ -117,7 +130,7 @@ def read_source(src: DataSource, bad: BadRows, label: str) -> tuple[str, list[di
                 keys = sorted(k for k in row if k != "_where")
                 raise RecipeError([f"{label}: cannot tell the format of {row['_where']} from its fields {keys}; "
                                    f"set {label}.format (text, prompt_completion, instruction, messages, "
-                                   f"sharegpt) and map names with {label}.fields"])
+                                   f"sharegpt, tokens) and map names with {label}.fields"])
         why = check_row(row, fmt)
         if why:
             bad.add(row["_where"], f"{why} (format {fmt})")

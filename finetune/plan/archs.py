@@ -165,6 +165,15 @@ def find_config(name: str) -> tuple[dict | None, str]:
     return None, "not found"
 
 
+def vocab_size(name: str) -> int | None:
+    """The model's vocabulary (rows of its input embedding), or None when its config is not found."""
+    cfg, _ = find_config(name)
+    try:
+        return from_config(cfg, name).vocab if cfg else None
+    except (ValueError, TypeError):
+        return None
+
+
 def resolve(name: str) -> tuple[Arch, str]:
     """Arch for a model name, or ValueError naming where we looked and what is known."""
     cfg, where = find_config(name)

@@ -107,13 +107,16 @@ class LoraSpec(_Section):
         return v
 
 
-DataFormat = Literal["auto", "text", "prompt_completion", "instruction", "messages", "sharegpt"]
+DataFormat = Literal["auto", "text", "prompt_completion", "instruction", "messages", "sharegpt", "tokens"]
 
 
 class DataSource(_Section):
     path: str
     """A local file (.jsonl/.json/.csv/.parquet) or folder, a hub dataset id (from the local cache),
-    or `builtin:tiny-instruct` (the synthetic set the project generates)."""
+    `builtin:tiny-instruct` (the synthetic set the project generates), or
+    `synthetic:tokens?rows=N&min_len=A&max_len=B&vocab=V&seed=S`: seeded random token ids over the whole
+    vocabulary (vocab 0 or absent: the model's; defaults rows 1000, lengths 32-256), every token trained,
+    for memory and speed runs of synthetic models whose vocabulary is not the tiny tokenizer's."""
     split: str = "train"
     """Split of a hub or builtin dataset."""
     subset: str | None = None

@@ -11,6 +11,7 @@ import torch
 
 from finetune.data import batching, encode
 from finetune.data.prepare import prepare
+from finetune.plan.archs import vocab_size
 from finetune.recipe.rundir import read_recipe
 from finetune.train.device import model_device, to_model_device
 from finetune.util.errors import RecipeError
@@ -76,7 +77,7 @@ def heldout_loss(model, examples, recipe) -> float:
 
 def run_eval(run_dir: Path) -> dict:
     recipe, tok, model = load_run(run_dir)
-    prepared = prepare(recipe.data, tok)
+    prepared = prepare(recipe.data, tok, vocab_size(recipe.model.name))
     if not prepared.eval:
         raise RecipeError(["data: no held-out rows; set data.eval_sources or data.eval_split > 0"])
     n, mnt = recipe.eval.exact_match_samples, recipe.eval.max_new_tokens

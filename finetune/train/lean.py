@@ -46,8 +46,13 @@ def _lean_norm(module):
 
 
 def _lean_mlp(module):
+    # The activation's own forward, not the module call: hooks that module trackers (FlopCounterMode,
+    # memory trackers) put on every module call would otherwise fire inside backward's recomputation, where
+    # torch refuses their gradient hooks on its leaf inputs.
+    act = getattr(module.act_fn, "forward", module.act_fn)
+
     def act_mul(gate, up):
-        return module.act_fn(gate) * up
+        return act(gate) * up
 
     return lambda x: module.down_proj(_Recompute.apply(act_mul, module.gate_proj(x), module.up_proj(x)))
 

@@ -18,6 +18,7 @@ import torch
 
 from finetune.data import batching
 from finetune.data.prepare import prepare as prepare_data
+from finetune.plan.archs import vocab_size
 from finetune.plan.attention import CPU_MATH_ATTENTION_MAX_LEN, cpu_math_kernel_possible
 from finetune.recipe import Recipe
 from finetune.recipe.rundir import write_recipe
@@ -141,7 +142,7 @@ def setup(recipe: Recipe, run_dir: Path) -> Run:
     torch.manual_seed(t.seed)
     tok = load_tokenizer(recipe.model)
     with acc.local_main_process_first():  # builtin assets and data caches are built once per node
-        prepared = prepare_data(recipe.data, tok)
+        prepared = prepare_data(recipe.data, tok, vocab_size(recipe.model.name))
     model = load_model(recipe.model, recipe.quantization, placement_for(acc))
     enable_checkpointing(model, recipe.model)
     model = apply_lora(model, recipe.lora, seed=t.seed)

@@ -60,3 +60,44 @@ def cache_dir(name: str):
     """Where the synthetic model `name` is built: one directory per exact name."""
     digest = hashlib.sha256(name.encode()).hexdigest()[:16]
     return cache_root() / f"synthetic-{VERSION}-{digest}"
+
+
+# ----------------------------------------------------------------------------------- token data
+
+TOKENS = "synthetic:tokens"
+TOKEN_OPTIONS = {"rows": 1000, "min_len": 32, "max_len": 256, "vocab": 0, "seed": 0}
+
+
+def is_synthetic_tokens(path: str) -> bool:
+    return path == TOKENS or path.startswith(TOKENS + "?")
+
+
+def parse_tokens(path: str, what: str = "data.sources[].path") -> dict:
+    """Options of a synthetic token source `synthetic:tokens?rows=N&min_len=A&max_len=B&vocab=V&seed=S`
+    (defaults in TOKEN_OPTIONS, min_len at most max_len; vocab 0: the model's), RecipeError naming `what` otherwise."""
+    opts, given = dict(TOKEN_OPTIONS), set()
+    for key, value in parse_qsl(path[len(TOKENS):].lstrip("?"), keep_blank_values=True):
+        if key not in opts:
+            raise RecipeError([f"{what}: '{path}': unknown option {key!r}; known: {', '.join(TOKEN_OPTIONS)}"])
+        if not value.isdigit() or (int(value) <= 0 and key not in ("seed", "vocab")):
+            raise RecipeError([f"{what}: '{path}': {key}={value!r} is not a positive integer"])
+        opts[key] = int(value)
+        given.add(key)
+    if "min_len" not in given:  # a short max_len alone asks for short rows
+        opts["min_len"] = min(opts["min_len"], opts["max_len"])
+    if opts["min_len"] < 2 or opts["min_len"] > opts["max_len"]:
+        raise RecipeError([f"{what}: '{path}': need 2 <= min_len <= max_len, got {opts['min_len']} and "
+                           f"{opts['max_len']}"])
+    return opts
+
+
+def token_rows(opts: dict, split: str, vocab: int):
+    """Seeded random token rows, {"input_ids": [...]} each, lengths uniform in [min_len, max_len] and ids
+    uniform over the whole vocabulary, so a model with any vocabulary (not only the tiny tokenizer's) gets
+    data that reaches every row of its embedding and head. Each split draws from its own stream."""
+    import random
+
+    rng = random.Random(f"{opts['seed']}:{split}")  # str seeds hash deterministically (not by PYTHONHASHSEED)
+    for _ in range(opts["rows"]):
+        n = rng.randint(opts["min_len"], opts["max_len"])
+        yield {"input_ids": [rng.randrange(vocab) for _ in range(n)]}

@@ -204,3 +204,23 @@ def test_each_lean_module_is_the_stock_one_bit_for_bit(amp):
             grads.append(x.grad)
             x.grad = None
         assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1]), type(module).__name__
+
+
+def test_lean_modules_run_under_module_trackers():
+    """FlopCounterMode (like torch's memory trackers) hooks every module call; the lean MLP's recomputation
+    in backward must not call the activation module, whose hooks torch refuses inside a nested grad."""
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
+
+    from finetune.train import lean
+
+    torch.manual_seed(0)
+    for module in (LlamaRMSNorm(64), LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=128))):
+        module.requires_grad_(False)
+        assert lean.apply(module) == 1
+        x = torch.randn(8, 64, requires_grad=True)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            module(x).sum().backward()
+        assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert counter.get_total_flops() > 0  # the MLP's matmuls were seen

@@ -156,3 +156,27 @@ def test_prequantized_checkpoint_loads_without_quantizing(tmp_path, model_dir, r
     two = _run(tmp_path / "two", str(pre), 2, "--version", "2", "--no-quantize")
     # Under FSDP the adapters are attached (B = 0: they add nothing) and the forward runs sharded.
     torch.testing.assert_close(two[0]["logits"], base_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_synthetic_model_trains_on_synthetic_tokens_over_its_whole_vocabulary(tmp_path, model_dir):
+    """A synthetic model whose vocabulary (1000) is not the tiny tokenizer's (384) trains on
+    `synthetic:tokens` rows drawn over all 1000 ids: the loss starts near ln(1000) (random weights, uniform
+    ids) and the ids above the tokenizer's reach the model, where an out-of-range id would fail the lookup."""
+    import json
+    import math
+
+    from finetune import recipe as R
+    from finetune.train.loop import train
+
+    r = R.from_dict({
+        "model": {"name": SYNTH, "gradient_checkpointing": False},
+        "data": {"sources": [{"path": "synthetic:tokens?rows=48&min_len=16&max_len=32"}], "eval_split": 0.1,
+                 "max_seq_len": 32},
+        "train": {"micro_batch_size": 4, "max_steps": 3, "learning_rate": 1e-3, "log_every": 1},
+        "eval": {"max_batches": 1, "exact_match_samples": 0},
+        "output": {"dir": str(tmp_path / "run"), "progress_bar": False},
+    })
+    train(r, tmp_path / "run")
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["loss"] for row in rows if "loss" in row]
+    assert len(losses) == 3 and all(abs(v - math.log(1000)) < 1.0 for v in losses), losses

@@ -1,6 +1,5 @@
 """Token-level checks of what trains: labels != -100 exactly on completion / assistant spans."""
 import pytest
-import torch
 
 from finetune.data import batching as B
 from finetune.data import encode as E
