@@ -52,8 +52,8 @@ def finetune_arm(s: dict) -> dict:
     seen = {}
     prepare = loop.prepare_data
 
-    def prepare_and_digest(spec, tok):  # the rows finetune trains on, for the identical-tokens check
-        prepared = prepare(spec, tok)
+    def prepare_and_digest(*args, **kwargs):  # the rows finetune trains on, for the identical-tokens check
+        prepared = prepare(*args, **kwargs)
         seen["digest"], seen["rows"] = digest(prepared.train), len(prepared.train)
         return prepared
 
