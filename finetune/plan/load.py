@@ -1,11 +1,14 @@
 """The load phase of a run, as the streaming loader (train/load.py, train/base.py) runs it: memory per GPU,
 per process and per machine while the base model arrives, from shapes alone.
 
-One reader per machine (its local rank 0) reads one checkpoint tensor at a time: safetensors' copy of it in
-the checkpoint dtype (bf16) plus the cast to model.dtype, on the reader's device. A 4-bit target weight is
-quantized there (its packed bytes and blockwise constants beside the cast copy); every rank receives the
-whole tensor (packed, or plain in model.dtype) and keeps its part:
+One reader per machine (its local rank 0) reads one checkpoint tensor at a time:
+- a 4-bit target weight in blocks of rows of about PIECE elements (each read in the checkpoint dtype, cast
+  to model.dtype and quantized), its packed pieces concatenated at the end; the packed bytes then go whole
+  to every rank of the machine (the quantization state covers the whole weight);
+- a plain tensor (embeddings, head, norms) whole, cast to model.dtype, and sent whole; except under FSDP2,
+  where the reader reads each rank's rows alone and sends them to that rank alone.
 
+Each rank keeps its part:
 - one process or replicas: the whole model, built up one tensor at a time;
 - FSDP2: a dim-0 chunk of every parameter (1/world), plus the whole quantization state;
 - FSDP1: a wrapped module (one decoder layer, or the root: embeddings, head, final norm) whole, and its
@@ -29,16 +32,24 @@ def tensors(arch: Arch) -> list[tuple[int, bool]]:
     return lin + emb
 
 
-def _sizes(arch: Arch, s, dtype_bytes: dict) -> tuple[int, int]:
-    """(bytes in flight for the biggest tensor on the reader, bytes the receivers hold for it)."""
+PIECE = 2**20  # train/load.QUANT_CHUNK: elements of a 4-bit weight read and quantized at once
+
+
+def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int) -> tuple[int, int]:
+    """(bytes in flight on the reader for the biggest tensor, bytes a receiver holds for it), `shard` the
+    FSDP shard count (1: whole)."""
     mb = dtype_bytes[s.model_dtype]
+    per_rank = shard > 1 and s.strategy == "fsdp" and s.fsdp_version == 2
     reader = received = 0
     for numel, four_bit in tensors(arch):
-        quantized = four_bit and s.quant in ("nf4", "fp4")
-        held = (numel + 1) // 2 if quantized else numel * mb
-        cast = numel * mb if mb != CKPT_BYTES or quantized else 0
-        reader = max(reader, numel * CKPT_BYTES + cast + (held if quantized else 0))
-        received = max(received, held)
+        if four_bit and s.quant in ("nf4", "fp4"):
+            packed = (numel + 1) // 2
+            # one row block read and cast, beside the packed pieces and their concatenation
+            flight, got = min(numel, PIECE) * (CKPT_BYTES + mb) + 2 * packed, packed
+        else:
+            part = -(-numel // shard) if per_rank else numel  # FSDP2: each rank's rows alone
+            flight, got = part * (CKPT_BYTES + (mb if mb != CKPT_BYTES else 0)), part * mb
+        reader, received = max(reader, flight), max(received, got)
     return reader, received
 
 
@@ -55,10 +66,10 @@ def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader:
     # Under FSDP the adapters are attached to CPU placeholders, so they reach the device sharded; whole
     # otherwise. The quantization state is whole on every rank.
     final = w["quant_constants"] + on_device * sharded
-    flight, received = _sizes(arch, s, dtype_bytes)
+    flight, received = _sizes(arch, s, dtype_bytes, shard)
     if s.strategy == "fsdp" and shard > 1 and s.fsdp_version == 1:
         transient = 2 * _fsdp1_unit(arch, w)
-    else:
+    else:  # what arrives, beside the part of it kept (FSDP2's chunk of a packed weight is a copy)
         transient = received + (received // shard if shard > 1 else 0)
     if reader:
         transient = max(transient, flight + (received // shard if shard > 1 else 0))
@@ -67,12 +78,16 @@ def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader:
 
 def machine_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, process_ram: int) -> int:
     """Peak CPU RAM of one machine while loading: its processes, and on a CPU run their weights too; on
-    GPUs only the reader's host copy of the tensor in flight (safetensors' read)."""
+    GPUs only the reader's host copy of what it reads at once (safetensors' read: a row block of a 4-bit
+    weight, a plain tensor or, under FSDP2, one rank's rows of it)."""
     procs = s.per_machine
     if s.device == "cpu":
         return procs * process_ram + process_bytes(arch, s, w, shard, dtype_bytes, True) + \
             (procs - 1) * process_bytes(arch, s, w, shard, dtype_bytes, False)
-    biggest = max(n for n, _ in tensors(arch)) * CKPT_BYTES
+    per_rank = shard > 1 and s.strategy == "fsdp" and s.fsdp_version == 2
+    quantized = s.quant in ("nf4", "fp4")
+    biggest = max(min(n, PIECE) if four_bit and quantized else (-(-n // shard) if per_rank else n)
+                  for n, four_bit in tensors(arch)) * CKPT_BYTES  # the reader's host copy of what it reads
     offloaded = (-(-w["base_4bit"] // shard) + -(-w["unquantized"] // shard)) * procs if s.offload else 0
     adapters = w["lora"] * procs if s.strategy == "fsdp" and shard > 1 else 0  # whole until prepare shards them
     return procs * process_ram + biggest + offloaded + adapters
