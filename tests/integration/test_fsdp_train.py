@@ -103,8 +103,8 @@ def test_fsdp_8bit_trains_like_one_process_and_resumes_exactly(tmp_path, single_
     # (train/lean.py) the 20 losses are identical (measured: 0.0); each alone moves the 2-process losses by
     # rounding, which 8-bit moments amplify over 20 steps at lr 2e-3 (measured, worst step: lean modules
     # alone 0.46%, chunked head alone 1.03%, both 1.25%). Both are bit for bit the stock computation within
-    # one process (tests/integration/test_loop_loss.py); what differs under FSDP2 is where its operands live
-    # (views into FSDP2's gathered buffers), not the arithmetic asked for. FSDP1 flattens a layer's tensors into one flat
+    # one process (tests/integration/test_loop_loss.py); under FSDP2 the same arithmetic rounds differently,
+    # most likely because the operands are views into FSDP2's gathered buffers (not isolated further). FSDP1 flattens a layer's tensors into one flat
     # parameter whose 8-bit blocks and 4096-value threshold span tensors: the same moments quantised
     # differently (measured: at most 1.6% over the 20 steps).
     tolerance = 2e-2
