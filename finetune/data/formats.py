@@ -97,6 +97,8 @@ def parse_json_field(v, want: type):
             v = json.loads(v)
         except json.JSONDecodeError as e:
             raise ValueError(f"is not valid JSON ({e.msg}, column {e.colno})") from None
+        except (ValueError, RecursionError):  # a number of over 4300 digits, or nesting past the stack
+            raise ValueError("is not usable JSON (nested too deeply, or a number too long)") from None
     if not isinstance(v, want):
         raise ValueError(f"must be a JSON {'object' if want is dict else 'array'}, got {type(v).__name__}")
     return v
@@ -148,7 +150,7 @@ def check_tools(row: dict) -> str | None:
 def _message(m, where: str, role_key: str, content_key: str, roles) -> str | None:
     if not isinstance(m, dict):
         return f"{where} must be an object, got {type(m).__name__}"
-    if m.get(role_key) not in roles:
+    if not isinstance(m.get(role_key), str) or m[role_key] not in roles:
         return f"{where}.{role_key} must be one of {sorted(roles)}, got {m.get(role_key)!r}"
     role, calls = SHAREGPT_ROLES[m[role_key]], m.get("tool_calls")
     calls = calls if role == "assistant" and calls else None  # an empty list or null: no calls

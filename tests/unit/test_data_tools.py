@@ -186,3 +186,53 @@ def test_openai_shapes_are_good_rows(row):
 @pytest.mark.parametrize("row, why", BAD)
 def test_malformed_chat_rows_name_the_field(row, why):
     assert F.check_row(row, "messages").startswith(why)
+
+
+def _recipe(tmp_path, rows, template):
+    import yaml
+
+    data = tmp_path / "tools.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump({"data": {"sources": [{"path": str(data)}], "eval_split": 0,
+                                               "max_seq_len": 512, "chat_template": template}}))
+    return recipe, data
+
+
+def test_data_verb_reports_the_inference_check(tmp_path, capsys, monkeypatch):
+    from finetune import cli
+
+    monkeypatch.setenv("FINETUNE_CACHE", str(tmp_path / "cache"))
+    plain = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]}
+    recipe, data = _recipe(tmp_path, [ROW, plain], REWRITING)
+    assert cli.main(["data", str(recipe), "--show", "3", "--json", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    stats = json.loads(out.strip().splitlines()[-1])
+    assert stats["rows"] == 3 and stats["chat_rows_split"] == 1 and stats["chat_split_examples"] == 2
+    assert (stats["chat_turns_checked"], stats["chat_turns_differing"]) == (4, 0)
+    assert "chat turns: 4 of 4 trained turns have exactly the tokens inference renders" in out
+    assert "1 rows: the template rewrites earlier turns" in out
+    assert out.count("check: ") == 3 and "MISMATCH" not in out
+    assert f"({data}:1): " in out and "one of 2 examples of its row" in out
+
+    # A template whose generation prompt ends in a space: every turn differs, each named by file and line.
+    space = ("{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"
+             "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    recipe, data = _recipe(tmp_path, [plain, plain], space)
+    assert cli.main(["data", str(recipe), "--show", "1", "--color", "never"]) == 0
+    out = capsys.readouterr().out
+    assert "chat turns: 0 of 2 trained turns" in out and "check: MISMATCH messages[1]" in out
+    assert f"{data}:2: messages[1]: the tokens before the turn are not the tokenized inference prompt" in out
+
+
+def test_held_out_rows_stay_aligned_when_a_chat_splits(tmp_path, tok):
+    from finetune.data import prepare as P
+    from finetune.recipe import DataSource
+
+    plain = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]}
+    _, data = _recipe(tmp_path, [plain, ROW], REWRITING)
+    spec = DataSpec(sources=[DataSource(path=str(data), max_samples=1)], eval_sources=[DataSource(path=str(data))],
+                    chat_template=REWRITING, max_seq_len=512)
+    p = P.prepare(spec, tok)
+    assert len(p.train) == 1 and len(p.eval) == len(p.eval_rows) == 3  # the second row: two examples
+    assert [r["_where"] for r in p.eval_rows] == [e["where"] for e in p.eval] == [f"{data}:1"] + [f"{data}:2"] * 2
