@@ -236,3 +236,17 @@ def test_held_out_rows_stay_aligned_when_a_chat_splits(tmp_path, tok):
     p = P.prepare(spec, tok)
     assert len(p.train) == 1 and len(p.eval) == len(p.eval_rows) == 3  # the second row: two examples
     assert [r["_where"] for r in p.eval_rows] == [e["where"] for e in p.eval] == [f"{data}:1"] + [f"{data}:2"] * 2
+
+
+def test_a_malformed_tool_row_is_named_by_file_line_and_field(tmp_path, tok):
+    from finetune.data import prepare as P
+    from finetune.recipe import DataSource
+    from finetune.util.errors import RecipeError
+
+    broken = json.loads(json.dumps(ROW))
+    broken["messages"][2]["tool_calls"][0]["function"]["arguments"] = "{\"city\": "
+    _, data = _recipe(tmp_path, [ROW, broken], REWRITING)
+    with pytest.raises(RecipeError) as e:
+        P.prepare(DataSpec(sources=[DataSource(path=str(data))], eval_split=0, chat_template=REWRITING), tok)
+    assert e.value.problems[0] == (f"{data}:2: messages[2].tool_calls[0].function.arguments is not valid JSON "
+                                   "(Expecting value, column 10) (format messages)")
