@@ -1,7 +1,8 @@
 """`finetune data RECIPE`: look at exactly what trains, before training.
 
 Renders N examples with the trained tokens marked (labels != -100), then the counts: rows, bad rows,
-truncated/dropped, tokens, trained tokens, packing efficiency and padding. Loads the tokenizer only.
+truncated/dropped, tokens, trained tokens, packing efficiency and padding, and for chats whether every trained
+turn has exactly the tokens inference renders for it. Loads the tokenizer only.
 With --json the last line is one JSON object of the stats.
 """
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import sys
 
 from finetune.commands.common import add_recipe_arguments
+from finetune.data.chat import IGNORE
 from finetune.util.errors import RecipeError
 
 OPEN, CLOSE = "\u27e6", "\u27e7"  # ⟦trained⟧ when the output is not a terminal
@@ -32,8 +34,6 @@ def render(example: dict, tok, color: bool) -> str:
     """The example's text with trained spans marked. A token trains when its label is not -100 and it
     is not the first (the shifted loss never predicts token 0). Runs are decoded whole so multi-byte
     characters split across tokens still read correctly."""
-    from finetune.data.encode import IGNORE
-
     ids = example["input_ids"]
     trained = [i > 0 and lab != IGNORE for i, lab in enumerate(example["labels"])]
     out, start = [], 0
@@ -78,10 +78,39 @@ def summary(stats: dict, data_spec) -> list[str]:
         f"padding per micro-batch of {s['micro_batch_size']}: {100 * s['padding_fraction_unpacked']:.1f}% unpacked, "
         f"{100 * s['padding_fraction_packed']:.1f}% packed",
     ]
+    lines += chat_lines(s)
     if s["bad_rows"]:
         lines.append(f"bad rows (first {len(s['bad_rows'])} of {s['rows_skipped']}):")
         lines += [f"  {b}" for b in s["bad_rows"]]
     return lines
+
+
+def chat_lines(s: dict) -> list[str]:
+    """The inference-rendering check of the chat turns (data/chat.py), when the data has chats."""
+    if not (s.get("chat_turns_checked") or s.get("chat_rows_split")):
+        return []
+    same = s["chat_turns_checked"] - s["chat_turns_differing"]
+    lines = [f"chat turns: {same} of {s['chat_turns_checked']} trained turns have exactly the tokens inference "
+             f"renders for the conversation before them (add_generation_prompt) and through them"]
+    if s["chat_rows_split"]:
+        lines.append(f"  {s['chat_rows_split']} rows: the template rewrites earlier turns (e.g. drops their "
+                     f"reasoning), so they train as {s['chat_split_examples']} examples: a turn that a later turn's "
+                     "rendering rewrites trains in an example of its own")
+    if s["chat_differing"]:
+        lines.append(f"  differing (first {len(s['chat_differing'])} of {s['chat_turns_differing']}):")
+        lines += [f"    {d}" for d in s["chat_differing"]]
+    return lines
+
+
+def example_header(i: int, ex: dict, total: int) -> str:
+    n_trained = sum(t != IGNORE for t in ex["labels"][1:])
+    head = f"--- example {i + 1} of {total} ({ex.get('where', '?')}): {len(ex['input_ids'])} tokens, {n_trained} trained"
+    if ex.get("parts", 1) > 1:
+        head += f"; one of {ex['parts']} examples of its row (the template rewrites history)"
+    if ex.get("turns"):
+        head += (f"\ncheck: MISMATCH {ex['check']}" if ex["check"] else
+                 f"\ncheck: {ex['turns']} trained turn(s) equal the inference rendering of their prefix")
+    return head
 
 
 def register(sub) -> None:
@@ -98,7 +127,6 @@ def register(sub) -> None:
 def run(args) -> int:
     from finetune.commands.common import load_recipe
     from finetune.data.batching import batch_stats, packing_layout
-    from finetune.data.encode import IGNORE
     from finetune.data.prepare import prepare
     from finetune.plan.archs import vocab_size
     from finetune.recipe import DataSource
@@ -122,9 +150,7 @@ def run(args) -> int:
     if args.show:
         print(f"trained tokens are shown {'in green' if color else OPEN + 'like this' + CLOSE}")
     for i, ex in enumerate(prepared.train[: args.show]):
-        n_trained = sum(t != IGNORE for t in ex["labels"][1:])
-        print(f"--- example {i + 1} of {len(prepared.train)} ({ex.get('where', '?')}): "
-              f"{len(ex['input_ids'])} tokens, {n_trained} trained")
+        print(example_header(i, ex, len(prepared.train)))
         print(render(ex, tok, color))
     print("---")
     print("\n".join(summary(stats, recipe.data)))

@@ -1,17 +1,16 @@
 """Encoding one row: {"input_ids": [...], "labels": [...]} where labels are -100 (IGNORE) on tokens that do
 not train (prompts, user turns, templates' headers) so the loss covers exactly the completion / assistant
 spans. Prompt/completion and instruction rows are tokenized in two parts; chats are rendered with the
-recipe's or the tokenizer's chat template; text rows train on every token.
+recipe's or the tokenizer's chat template (chat.py: tools, tool calls, reasoning, templates that rewrite
+history); text rows train on every token.
 """
 from __future__ import annotations
 
-import re
-
-from finetune.data.formats import SHAREGPT_ROLES, detect_format
+from finetune.data.chat import IGNORE, chat_examples
+from finetune.data.formats import REASONING_KEYS, SHAREGPT_ROLES, detect_format
 from finetune.recipe import DataSpec
 
-IGNORE = -100
-ENCODER_VERSION = 3  # part of the cache key: bump when encode() changes what it produces
+ENCODER_VERSION = 4  # part of the cache key: bump when encode() changes what it produces
 # Text is cut to max_seq_len x this many characters before it is tokenized (bounded time and memory per row,
 # whatever the row's size). Tokens average about 4 characters; a piece cut here still makes far more tokens
 # than max_seq_len, so the first max_seq_len tokens, and whether the row is too long, stay exactly the same.
@@ -21,7 +20,6 @@ CHARS_PER_TOKEN_CAP = 32
 # ChatML, for tokenizers without a template of their own (`data.chat_template: chatml`).
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 def chat_template(spec: DataSpec, tok) -> str | None:
@@ -65,56 +63,40 @@ def _prompt_completion(tok, prompt: str, completion: str, train_on_inputs: bool,
     return {"input_ids": p + c, "labels": labels}
 
 
-def _chat(tok, messages: list[dict], template: str | None, train_on_inputs: bool, first_trained=None) -> dict:
-    """Render a chat and train on its assistant turns (or, for conversational prompt/completion, on the
-    messages from `first_trained` on). A template with {% generation %} marks the trained tokens itself;
-    otherwise each trained turn's characters are found by rendering the chat up to before and after it,
-    and the tokens of the full rendering whose first character falls there are trained."""
-    if not template:
-        raise ValueError("chat data needs a chat template: the tokenizer has none; set data.chat_template "
-                         "(a Jinja template, or `chatml`)")
-    render = lambda msgs, gen=False: tok.apply_chat_template(  # noqa: E731
-        msgs, chat_template=template, tokenize=False, add_generation_prompt=gen)
-    if first_trained is None and _GENERATION_TAG.search(template):
-        enc = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
-                                      return_assistant_tokens_mask=True)
-        ids, mask = list(enc["input_ids"]), enc["assistant_masks"]
-        return {"input_ids": ids, "labels": [t if (m or train_on_inputs) else IGNORE for t, m in zip(ids, mask)]}
-    full = render(messages)
-    spans = []
-    for i, m in enumerate(messages):
-        if (m["role"] == "assistant") if first_trained is None else (i >= first_trained):
-            upto = render(messages[: i + 1])
-            # transformers cannot render an empty chat: for a first message, its header ends where its content starts
-            head = render(messages[:i], gen=m["role"] == "assistant") if i else upto[: max(upto.find(m["content"]), 0)]
-            if not (full.startswith(upto) and upto.startswith(head)):
-                raise ValueError("the chat template does not render the start of a chat as a prefix of the "
-                                 "whole (it rewrites earlier turns); give it {% generation %} markers")
-            spans.append((len(head), len(upto)))
-    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
-    labels = [t if train_on_inputs or any(a <= s < b for a, b in spans) else IGNORE
-              for t, (s, _) in zip(enc["input_ids"], enc["offset_mapping"])]
-    return {"input_ids": list(enc["input_ids"]), "labels": labels}
+def encode_all(row: dict, fmt: str, tok, spec: DataSpec) -> list[dict]:
+    """One row -> its training examples: one, except for a chat whose template rewrites history (one per
+    trained turn that a later turn's rendering rewrites; see chat.py). Chat examples also carry "turns" and
+    "check" (the inference-rendering check). Raises ValueError for a row that does not fit `fmt`."""
+    fmt = (detect_format(row) or "unknown") if fmt == "auto" else fmt
+    template, n = chat_template(spec, tok), spec.max_seq_len
+    if fmt == "prompt_completion" and isinstance(row.get("prompt"), list):  # conversational: the completion trains
+        return chat_examples(tok, _cut_turns(row["prompt"] + row["completion"], n), template, row.get("tools"),
+                             spec.train_on_inputs, first_trained=len(row["prompt"]), key="prompt+completion")
+    if fmt == "messages":
+        return chat_examples(tok, _cut_turns(row["messages"], n), template, row.get("tools"), spec.train_on_inputs)
+    if fmt == "sharegpt":
+        msgs = [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")), "content": t.get("value")}
+                for t in row["conversations"]]
+        return chat_examples(tok, _cut_turns(msgs, n), template, row.get("tools"), spec.train_on_inputs,
+                             key="conversations")
+    return [encode(row, fmt, tok, spec)]
 
 
 def encode(row: dict, fmt: str, tok, spec: DataSpec) -> dict:
-    """One row -> {"input_ids", "labels"}. Raises ValueError for a row that does not fit `fmt`."""
+    """One row -> {"input_ids", "labels"}. Raises ValueError for a row that does not fit `fmt`, or a chat
+    that trains as several examples (use encode_all)."""
     fmt = (detect_format(row) or "unknown") if fmt == "auto" else fmt
-    template, n = chat_template(spec, tok), spec.max_seq_len
+    n = spec.max_seq_len
+    if fmt in ("messages", "sharegpt") or (fmt == "prompt_completion" and isinstance(row.get("prompt"), list)):
+        examples = encode_all(row, fmt, tok, spec)
+        if len(examples) > 1:
+            raise ValueError(f"this chat trains as {len(examples)} examples (its template rewrites history)")
+        return examples[0]
     if fmt == "prompt_completion":
-        if isinstance(row.get("prompt"), list):  # conversational: train on the completion messages
-            return _chat(tok, _cut_turns(row["prompt"] + row["completion"], n), template, spec.train_on_inputs,
-                         first_trained=len(row["prompt"]))
         return _prompt_completion(tok, _str(row, "prompt"), _str(row, "completion"), spec.train_on_inputs, n)
     if fmt == "instruction":
         _str(row, "instruction")
         return _prompt_completion(tok, instruction_prompt(row), _str(row, "output"), spec.train_on_inputs, n)
-    if fmt == "messages":
-        return _chat(tok, _cut_turns(row["messages"], n), template, spec.train_on_inputs)
-    if fmt == "sharegpt":
-        msgs = [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")), "content": t.get("value")}
-                for t in row["conversations"]]
-        return _chat(tok, _cut_turns(msgs, n), template, spec.train_on_inputs)
     if fmt == "tokens":  # pre-tokenized: used as they are (no special tokens added); labels default to all
         ids = list(row["input_ids"])
         return {"input_ids": ids, "labels": list(row["labels"]) if row.get("labels") is not None else list(ids)}
@@ -125,9 +107,10 @@ def encode(row: dict, fmt: str, tok, spec: DataSpec) -> dict:
 
 
 def _cut_turns(messages: list, max_len: int) -> list:
-    """Each turn's text cut like any text (a turn cut there already reaches past max_seq_len on its own)."""
-    return [{**m, "content": cut_text(m["content"], max_len)} if isinstance(m, dict) and isinstance(m.get("content"), str)
-            else m for m in messages]
+    """Each turn's text and reasoning cut like any text (a turn cut there already reaches past max_seq_len on
+    its own)."""
+    return [{**m, **{k: cut_text(m[k], max_len) for k in ("content",) + REASONING_KEYS if isinstance(m.get(k), str)}}
+            if isinstance(m, dict) else m for m in messages]
 
 
 def _str(row: dict, key: str) -> str:

@@ -2,10 +2,13 @@
 the rows that fail.
 
 A bad row (broken JSON, bad bytes, missing field, wrong type, empty text, a line over the readers'
-MAX_ROW_BYTES) goes to `BadRows`: with `on_bad_row: error` the run stops with every bad row found
-(exit 2, no traceback), with `skip` it is counted and the first few are reported.
+MAX_ROW_BYTES, a tool call whose arguments are not a JSON object) goes to `BadRows`: with `on_bad_row: error`
+the run stops with every bad row found (exit 2, no traceback), with `skip` it is counted and the first few
+are reported.
 """
 from __future__ import annotations
+
+import json
 
 from finetune.util.errors import RecipeError
 
@@ -63,22 +66,122 @@ def _text(row: dict, key: str, required=True, allow_empty=False) -> str | None:
     return None
 
 
+# --------------------------------------------------------------------------- chat messages (OpenAI format)
+
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # the names transformers aliases to each other
+
+
+def content_text(content) -> str | None:
+    """A message's text: a string as is, a list of text parts joined by newlines (as vLLM joins them for
+    templates that take a string), None when there is none."""
+    if isinstance(content, list):
+        return "\n".join(p["text"] for p in content)
+    return content
+
+
+def _content(v, where: str, optional: bool) -> str | None:
+    if v is None:
+        return None if optional else f"{where} must be a string, got NoneType"
+    if isinstance(v, str):
+        return None
+    if isinstance(v, list) and all(isinstance(p, dict) and p.get("type", "text") == "text"
+                                   and isinstance(p.get("text"), str) for p in v):
+        return None
+    return f"{where} must be a string or a list of text parts ({{\"type\": \"text\", \"text\": ...}}), " \
+           f"got {type(v).__name__}" + (" holding other parts" if isinstance(v, list) else "")
+
+
+def parse_json_field(v, want: type):
+    """A value that may arrive as JSON text (tool arguments in OpenAI's format, a `tools` column in parquet or
+    CSV) as the object it encodes; ValueError when it is not JSON or not a `want`."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"is not valid JSON ({e.msg}, column {e.colno})") from None
+        except (ValueError, RecursionError):  # a number of over 4300 digits, or nesting past the stack
+            raise ValueError("is not usable JSON (nested too deeply, or a number too long)") from None
+    if not isinstance(v, want):
+        raise ValueError(f"must be a JSON {'object' if want is dict else 'array'}, got {type(v).__name__}")
+    return v
+
+
+def _function(item, where: str) -> tuple[dict | None, str | None]:
+    """The {name, arguments|parameters} object of a tool call or a tool: OpenAI's {"type": "function",
+    "function": {...}}, or the function object itself."""
+    if not isinstance(item, dict):
+        return None, f"{where} must be an object, got {type(item).__name__}"
+    fn = item.get("function", item)
+    if not isinstance(fn, dict):
+        return None, f"{where}.function must be an object, got {type(fn).__name__}"
+    if not isinstance(fn.get("name"), str) or not fn["name"].strip():
+        return None, f"{where}.function.name must be a non-empty string"
+    return fn, None
+
+
+def _tool_calls(calls, where: str) -> str | None:
+    if not isinstance(calls, list):
+        return f"{where} must be a list, got {type(calls).__name__}"
+    for j, call in enumerate(calls):
+        fn, why = _function(call, f"{where}[{j}]")
+        if why:
+            return why
+        if fn.get("arguments") is not None:
+            try:
+                parse_json_field(fn["arguments"], dict)
+            except ValueError as e:
+                return f"{where}[{j}].function.arguments {e}"
+    return None
+
+
+def check_tools(row: dict) -> str | None:
+    """Why the row's `tools` (the functions the chat template lists for the model) are unusable."""
+    if row.get("tools") is None:
+        return None
+    try:
+        tools = parse_json_field(row["tools"], list)
+    except ValueError as e:
+        return f"field 'tools' {e}"
+    for j, tool in enumerate(tools):
+        why = _function(tool, f"tools[{j}]")[1]
+        if why:
+            return why
+    return None
+
+
+def _message(m, where: str, role_key: str, content_key: str, roles) -> str | None:
+    if not isinstance(m, dict):
+        return f"{where} must be an object, got {type(m).__name__}"
+    if not isinstance(m.get(role_key), str) or m[role_key] not in roles:
+        return f"{where}.{role_key} must be one of {sorted(roles)}, got {m.get(role_key)!r}"
+    role, calls = SHAREGPT_ROLES[m[role_key]], m.get("tool_calls")
+    calls = calls if role == "assistant" and calls else None  # an empty list or null: no calls
+    why = _content(m.get(content_key), f"{where}.{content_key}", optional=calls is not None)
+    if not why and calls is not None:
+        why = _tool_calls(calls, f"{where}.tool_calls")
+    if why:
+        return why
+    # An assistant turn with nothing in it would train the model to answer with nothing, as an empty
+    # completion or output would in the other formats.
+    if role == "assistant" and calls is None and not content_text(m[content_key]).strip():
+        return f"{where}.{content_key} is empty (an assistant turn)"
+    for key in REASONING_KEYS + (("tool_call_id", "name") if role == "tool" else ()):
+        if m.get(key) is not None and not isinstance(m[key], str):
+            return f"{where}.{key} must be a string, got {type(m[key]).__name__}"
+    return None
+
+
 def _chat(msgs, key: str, role_key="role", content_key="content", roles=CHAT_ROLES) -> str | None:
-    """Why a list of chat messages is unusable. An assistant turn with no text is bad, as an empty
-    completion or output is in the other formats: it would train the model to answer with nothing."""
+    """Why a list of chat messages is unusable: OpenAI's message format, with tool calls (content may then be
+    null), tool results and reasoning."""
     if not isinstance(msgs, list):
         return f"field '{key}' must be a list of messages, got {type(msgs).__name__}"
     if not msgs:
         return f"field '{key}' is empty"
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            return f"{key}[{i}] must be an object, got {type(m).__name__}"
-        if m.get(role_key) not in roles:
-            return f"{key}[{i}].{role_key} must be one of {sorted(roles)}, got {m.get(role_key)!r}"
-        if not isinstance(m.get(content_key), str):
-            return f"{key}[{i}].{content_key} must be a string, got {type(m.get(content_key)).__name__}"
-        if SHAREGPT_ROLES.get(m[role_key]) == "assistant" and not m[content_key].strip():
-            return f"{key}[{i}].{content_key} is empty (an assistant turn)"
+        why = _message(m, f"{key}[{i}]", role_key, content_key, roles)
+        if why:
+            return why
     return None
 
 
@@ -111,15 +214,17 @@ def check_row(row: dict, fmt: str) -> str | None:
         return _text(row, "text")
     if fmt == "prompt_completion":
         if isinstance(row.get("prompt"), list):  # conversational prompt/completion (TRL's layout)
-            return _chat(row["prompt"], "prompt") or _chat(row.get("completion"), "completion")
+            return _chat(row["prompt"], "prompt") or _chat(row.get("completion"), "completion") or check_tools(row)
         return _text(row, "prompt", allow_empty=True) or _text(row, "completion")
     if fmt == "instruction":
         return _text(row, "instruction") or _text(row, "input", required=False, allow_empty=True) \
             or _text(row, "output")
     if fmt == "messages":
-        return _chat(row.get("messages"), "messages") if "messages" in row else "missing field 'messages'"
+        if "messages" not in row:
+            return "missing field 'messages'"
+        return _chat(row["messages"], "messages") or check_tools(row)
     if fmt == "sharegpt":
         if "conversations" not in row:
             return "missing field 'conversations'"
-        return _chat(row["conversations"], "conversations", "from", "value", set(SHAREGPT_ROLES))
+        return _chat(row["conversations"], "conversations", "from", "value", set(SHAREGPT_ROLES)) or check_tools(row)
     return f"unknown format {fmt}"

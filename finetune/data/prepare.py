@@ -11,7 +11,7 @@ import os
 import random
 from dataclasses import dataclass, field
 
-from finetune.data.encode import ENCODER_VERSION, IGNORE, chat_template, encode
+from finetune.data.encode import ENCODER_VERSION, IGNORE, chat_template, encode_all
 from finetune.data.formats import BadRows
 from finetune.data.sources import read_source
 from finetune.recipe import DataSpec
@@ -35,29 +35,32 @@ def _tokenizer_fingerprint(tok) -> list:
             tok.chat_template, tok.bos_token_id, tok.eos_token_id, tok.special_tokens_map]
 
 
-def _encode_batch(batch: dict, tok, spec: DataSpec) -> dict:
+def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec) -> dict:
     import jinja2
 
-    out = {"input_ids": [], "labels": [], "where": [], "error": []}
-    for text, fmt in zip(batch["row"], batch["fmt"]):
+    keys = ("input_ids", "labels", "where", "error", "row", "parts", "turns", "check")
+    out = {k: [] for k in keys}
+    for text, fmt, index in zip(batch["row"], batch["fmt"], indices):
         row = json.loads(text)
         try:
-            ex, err = encode(row, fmt, tok, spec), ""
+            examples, err = encode_all(row, fmt, tok, spec), ""
         except (ValueError, TypeError, KeyError, IndexError, jinja2.TemplateError) as e:
-            ex, err = {"input_ids": [], "labels": []}, str(e).splitlines()[0][:300] or type(e).__name__
-        # Stored up to one token past max_seq_len: enough to tell a row is too long, and the cache stays
-        # bounded per row whatever the row's size.
-        out["input_ids"].append(ex["input_ids"][: spec.max_seq_len + 1])
-        out["labels"].append(ex["labels"][: spec.max_seq_len + 1])
-        out["where"].append(row.get("_where", "row"))
-        out["error"].append(err)
+            examples, err = [{"input_ids": [], "labels": []}], str(e).splitlines()[0][:300] or type(e).__name__
+        for ex in examples:
+            # Stored up to one token past max_seq_len: enough to tell a row is too long, and the cache stays
+            # bounded per row whatever the row's size.
+            vals = (ex["input_ids"][: spec.max_seq_len + 1], ex["labels"][: spec.max_seq_len + 1],
+                    row.get("_where", "row"), err, index, len(examples), ex.get("turns", 0), ex.get("check", ""))
+            for k, v in zip(keys, vals):
+                out[k].append(v)
     return out
 
 
 def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str) -> list[dict]:
     """Tokenize (format, row) pairs through `datasets.Dataset.map`, cached under the finetune cache by a
     fingerprint of the rows, the tokenizer and the options that change the result. Failed rows come back
-    with an `error` and empty ids."""
+    with an `error` and empty ids. A row may give several examples (a chat whose template rewrites history):
+    each names its pair (`row`), how many its row gave (`parts`) and its chat turns checked (`turns`, `check`)."""
     import datasets
     from datasets.fingerprint import Hasher
 
@@ -72,7 +75,7 @@ def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str)
     if cache.exists():
         os.utime(cache)  # recently used: kept by the pruning below
     ds = datasets.Dataset.from_dict({"row": texts, "fmt": fmts})
-    out = ds.map(_encode_batch, batched=True, batch_size=256, fn_kwargs={"tok": tok, "spec": spec},
+    out = ds.map(_encode_batch, batched=True, with_indices=True, batch_size=256, fn_kwargs={"tok": tok, "spec": spec},
                  remove_columns=["row", "fmt"], cache_file_name=str(cache), new_fingerprint=key,
                  desc=f"tokenizing {what} rows")
     _USED.add(cache)
@@ -80,8 +83,7 @@ def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str)
     cols = out.to_dict()
     del ds, out
     _release_arrow_memory()
-    return [{"input_ids": i, "labels": lab, "where": w, "error": e}
-            for i, lab, w, e in zip(cols["input_ids"], cols["labels"], cols["where"], cols["error"])]
+    return [dict(zip(cols, vals)) for vals in zip(*cols.values())]
 
 
 def _release_arrow_memory() -> None:
@@ -194,7 +196,7 @@ def prepare(spec: DataSpec, tok, vocab_size: int | None = None) -> Prepared:
     train = [train[i] for i in _keep(train, spec, bad, counts, vocab_size)]
     evals = encode_cached(eval_pairs, tok, spec, "eval") if eval_pairs else []
     kept = _keep(evals, spec, bad, dict(counts), vocab_size)
-    evals, eval_rows = [evals[i] for i in kept], [eval_pairs[i][1] for i in kept]
+    evals, eval_rows = [evals[i] for i in kept], [eval_pairs[evals[i]["row"]][1] for i in kept]
     bad.check()
     if not train:
         raise RecipeError(["data: no training examples left after reading and filtering"
@@ -204,7 +206,7 @@ def prepare(spec: DataSpec, tok, vocab_size: int | None = None) -> Prepared:
     # No packing statistics here: they pack every row (a second copy of the data, and trl imported) for a
     # figure only `finetune data` shows, and it computes them itself (batching.batch_stats).
     stats = {"rows": len(train), "eval_rows": len(evals), "rows_skipped": len(bad), "bad_rows": bad.items[:5],
-             **counts, **token_stats(train), "sources": per_source}
+             **counts, **token_stats(train), **chat_stats(train), "sources": per_source}
     return Prepared(train, evals, eval_rows, stats)
 
 
@@ -214,3 +216,14 @@ def token_stats(examples: list[dict]) -> dict:
     return {"tokens": sum(lengths), "trained_tokens": sum(sum(t != IGNORE for t in e["labels"][1:]) for e in examples),
             "max_length": max(lengths, default=0), "mean_length": round(sum(lengths) / max(len(lengths), 1), 2)}
 
+
+
+def chat_stats(examples: list[dict]) -> dict:
+    """The inference-rendering check over the chat examples (chat.py): trained turns checked, those whose
+    tokens differ (first five named), and the rows a history-rewriting template split into several examples."""
+    bad = [f"{e['where']}: {e['check']}" for e in examples if e.get("check")]
+    split = {e["row"] for e in examples if e.get("parts", 1) > 1}
+    return {"chat_turns_checked": sum(e.get("turns", 0) for e in examples),
+            "chat_turns_differing": sum(e["check"].count("; ") + 1 for e in examples if e.get("check")),
+            "chat_differing": bad[:5], "chat_rows_split": len(split),
+            "chat_split_examples": sum(1 for e in examples if e.get("parts", 1) > 1)}

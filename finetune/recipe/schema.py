@@ -150,7 +150,8 @@ class DataSpec(_Section):
     """Also train on prompt / user tokens. Off: loss only on completions and assistant turns."""
     chat_template: str | None = None
     """Jinja chat template overriding the tokenizer's own, for `messages`/`sharegpt` data, or `chatml`
-    for the builtin ChatML one. A template with {% generation %} markers decides the trained tokens itself."""
+    for the builtin ChatML one. It gets each row's `tools`; every assistant turn trains as it renders at
+    inference (docs/data.md). {% generation %} markers, if any, pick the trained tokens inside each turn."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A broken row (bad JSON, missing field, wrong type, empty text): stop (exit 2) or skip and report."""
     max_samples: int | None = Field(None, ge=1)

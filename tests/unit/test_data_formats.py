@@ -3,6 +3,7 @@ completion / assistant spans, multi-turn included; train_on_inputs trains everyt
 import pytest
 
 from finetune.data import encode as E
+from finetune.data.chat import chat_examples
 from finetune.recipe import DataSpec
 
 
@@ -97,8 +98,9 @@ def test_generation_markers_decide_the_trained_tokens(tok):
     assert spans(tok, ex) == ["red<|end|>", "cat dog<|end|>"]
 
 
-def test_template_that_rewrites_earlier_turns_is_a_row_error(tok):
-    # Renders the last message first: a prefix of the chat is not a prefix of the whole.
+def test_template_that_does_not_render_a_turn_after_its_prompt_is_a_row_error(tok):
+    # Renders the last message first: the chat before a turn is not the start of the chat through it, so no
+    # rendering trains the turn as inference would prompt for it (history rewriting is fine: test_data_tools).
     tpl = "{% for m in messages|reverse %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
     with pytest.raises(ValueError, match="prefix"):
         E.encode({"messages": CHAT}, "auto", tok, DataSpec(chat_template=tpl))
@@ -109,7 +111,7 @@ def test_chat_without_any_template_says_so(tok):
         chat_template = None
 
     with pytest.raises(ValueError, match="chat template"):
-        E._chat(NoTemplate(), CHAT, None, False)
+        chat_examples(NoTemplate(), CHAT, None, None, False)
 
 
 def test_a_chat_opening_with_the_assistant_trains_its_reply_not_the_header(tok):

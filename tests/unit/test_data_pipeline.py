@@ -66,7 +66,7 @@ def test_rows_that_fail_to_encode_are_bad_rows(tmp_path, tok):
     chats = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}] * 3
     spec = DataSpec(sources=[DataSource(path=jsonl(tmp_path / "c.jsonl", chats))], eval_split=0,
                     chat_template=reverse)
-    with pytest.raises(RecipeError, match=r"c\.jsonl:1: the chat template does not render"):
+    with pytest.raises(RecipeError, match=r"c\.jsonl:1: messages\[1\]: the chat template does not render"):
         P.prepare(spec, tok)
     with pytest.raises(RecipeError, match="no training examples left .*3 bad rows"):
         P.prepare(spec.model_copy(update={"on_bad_row": "skip"}), tok)
