@@ -7,8 +7,8 @@ every tensor with the weights it was converted from.
   converter's `LlamaModel.permute`); the check undoes that permutation on the GGUF tensor before comparing.
   For a LoRA GGUF only lora_b carries the output rows, so only lora_b is permuted back.
 - Tolerances by the type the tensor was written in: F32 exact; F16 equal to the source rounded to fp16 (the
-  converter's cast); Q8_0 within half a quantization step of its 32-value block (scale = max|block| / 127,
-  stored in fp16).
+  converter's cast); Q8_0 within half a quantization step of its 32-value block (step = max|block| / 127)
+  plus what storing that step in fp16 adds (see _q8_bound).
 """
 from __future__ import annotations
 
@@ -48,10 +48,13 @@ def read_tensor(gguf, t) -> torch.Tensor:
 
 
 def _q8_bound(src: torch.Tensor) -> torch.Tensor:
-    """Per element: half a Q8_0 step of its block, plus the fp16 rounding of the block scale."""
+    """Per element: half a Q8_0 step d = max|block| / 127 (the rounding to int8), plus up to 127 times the
+    fp16 rounding of d (ggml rounds with the exact d, then stores d as fp16): relative 2^-11, or half the
+    smallest fp16 subnormal (2^-25) where d is that small."""
     blocks = src.reshape(-1, Q8_BLOCK)
-    step = blocks.abs().amax(dim=1, keepdim=True) / 127
-    return (step * 0.5 * (1 + 2e-3) + 1e-12).expand_as(blocks).reshape(src.shape)
+    d = blocks.abs().amax(dim=1, keepdim=True) / 127
+    bound = d * (0.5 + 127 * 2.0 ** -11) + 127 * 2.0 ** -25
+    return bound.expand_as(blocks).reshape(src.shape)
 
 
 def compare(gguf, t, got: torch.Tensor, src: torch.Tensor) -> tuple[bool, float]:
@@ -82,7 +85,7 @@ def check_tensors(converter: Path, gguf_path: Path, sources: dict, config: dict,
     returns {"tensors", "checked", "mismatched": [...], "types": {type: count}, "max_abs_diff": {type: x}}."""
     gguf = gguf_module(converter)
     reader = gguf.GGUFReader(str(gguf_path))
-    arch_name = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    arch_name = reader.fields["general.architecture"].contents()
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch_name]
     name_map = gguf.get_tensor_name_map(arch, int(config["num_hidden_layers"]))
     by_gguf = {}
