@@ -32,6 +32,43 @@ def _recipe_lines(src) -> list[str]:
             f"- max_seq_len {r.data.max_seq_len}, packing {r.data.packing}", ""]
 
 
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig accepts only these max_lora_rank
+
+
+def vllm_max_lora_rank(cfg: dict) -> int:
+    """The --max-lora-rank vLLM needs for this adapter: the smallest value it accepts >= every rank used."""
+    rank = max([int(cfg.get("r") or 0), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())])
+    return next((v for v in VLLM_LORA_RANKS if v >= rank), rank)
+
+
+def serving_lines(src) -> list[str]:
+    """What the clients need to serve this model as trained (docs/deploy.md has the full commands)."""
+    cfg = src.adapter_config
+    base = cfg.get("base_model_name_or_path") or src.base_name
+    rank = vllm_max_lora_rank(cfg)
+    return ["## Serving", "",
+            "- vLLM, merged: `vllm serve MERGED_DIR`; the chat template is in tokenizer_config.json and "
+            "chat_template.jinja.",
+            f"- vLLM, adapter over the base: `vllm serve {base} --enable-lora --max-lora-rank {rank} "
+            f"--lora-modules ft=ADAPTER_DIR` (LoRA r={cfg.get('r')}; vLLM accepts max-lora-rank values "
+            f"{', '.join(map(str, VLLM_LORA_RANKS))}, default 16).",
+            "- llama.cpp / Ollama: `finetune export RUN_DIR --format gguf`, then `llama-server -m MODEL.gguf "
+            "--jinja` (`--jinja` applies the chat template stored in the GGUF; without it llama.cpp falls back "
+            "to a built-in template this model was not trained with).",
+            f"- tokenizer: add_bos_token={_adds_bos(src)}, as in training; transformers 4.x and 5.x both read "
+            "tokenizer_config.json (class PreTrainedTokenizerFast).", ""]
+
+
+def _adds_bos(src) -> str:
+    for d in (src.adapter_dir, src.base_dir):
+        p = d / "tokenizer_config.json"
+        if p.is_file():
+            value = json.loads(p.read_text()).get("add_bos_token")
+            if value is not None:
+                return str(bool(value)).lower()
+    return "as the tokenizer's post-processor says"
+
+
 def model_card(src, target: str, dtype: str, stats: dict, parity: dict) -> str:
     cfg = src.adapter_config
     rslora = " (rslora)" if cfg.get("use_rslora") else ""
@@ -57,4 +94,4 @@ def model_card(src, target: str, dtype: str, stats: dict, parity: dict) -> str:
         lines += [f"- result: **{parity['status']}**: {parity['summary']}",
                   f"- details: `{json.dumps({k: v for k, v in parity.items() if k != 'summary'}, sort_keys=True)}`",
                   ""]
-    return "\n".join(lines + _recipe_lines(src))
+    return "\n".join(lines + serving_lines(src) + _recipe_lines(src))
