@@ -100,3 +100,11 @@ def test_export_without_the_converter_is_exit_2_with_the_fetch_command(tmp_path,
     assert cli.main(["export", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "python -m finetune.merge.converter --fetch" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("cfg,want", [({"r": 16}, 16), ({"r": 12}, 16), ({"r": 4}, 8),
+                                      ({"r": 16, "rank_pattern": {"q_proj": 48}}, 64), ({"r": 300}, 320)])
+def test_card_states_the_vllm_max_lora_rank_the_adapter_needs(cfg, want):
+    from finetune.merge.card import vllm_max_lora_rank
+
+    assert vllm_max_lora_rank(cfg) == want
