@@ -93,6 +93,8 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
         raise RecipeError([f"--outtype: expected one of {', '.join(OUTTYPES)}, got {outtype!r}"], "export")
     run_dir = Path(run_dir).expanduser().resolve()
     conv = converter.require()
+    if not (run_dir / "adapter" / "adapter_config.json").is_file() and not (merged and not adapter_only):
+        raise RecipeError([f"{run_dir} is not a run dir (no adapter/adapter_config.json)"], "export")
     out = Path(output).expanduser().resolve() if output else default_output(run_dir, outtype, adapter_only)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")

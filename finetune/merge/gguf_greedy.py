@@ -44,10 +44,11 @@ def _hf_greedy(model, tok, ids: list[int], max_new: int) -> list[int]:
     return new[: new.index(tok.eos_token_id)] if tok.eos_token_id in new else new
 
 
-def _llama_greedy(llm, ids: list[int], max_new: int) -> list[int]:
+def _llama_greedy(llm, ids: list[int], max_new: int, eos: int) -> list[int]:
+    """temp 0 is llama.cpp's greedy sampler; stop at the same EOS id transformers stops at."""
     out = []
     for t in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
-        if llm.token_is_eog(t) if hasattr(llm, "token_is_eog") else t == llm.token_eos():
+        if t == eos:
             break
         out.append(int(t))
         if len(out) >= max_new:
@@ -70,7 +71,8 @@ def greedy_parity(run_dir: Path, merged_dir: Path, gguf_file: Path, n: int) -> d
         hf_ids = tok(prompt)["input_ids"]
         ll_ids = llm.tokenize(prompt.encode(), add_bos=True, special=True)
         same_prompt += hf_ids == ll_ids
-        hf_out, ll_out = _hf_greedy(model, tok, hf_ids, max_new), _llama_greedy(llm, hf_ids, max_new)
+        hf_out = _hf_greedy(model, tok, hf_ids, max_new)
+        ll_out = _llama_greedy(llm, hf_ids, max_new, tok.eos_token_id)  # same prompt ids: compare the models
         same_out += hf_out == ll_out
         hf_em += tok.decode(hf_out, skip_special_tokens=True).strip() == expected.strip()
         ll_em += tok.decode(ll_out, skip_special_tokens=True).strip() == expected.strip()
