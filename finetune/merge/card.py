@@ -41,35 +41,33 @@ def vllm_max_lora_rank(cfg: dict) -> int:
     return next((v for v in VLLM_LORA_RANKS if v >= rank), rank)
 
 
-def serving_lines(src) -> list[str]:
-    """What the clients need to serve this model as trained (docs/deploy.md has the full commands)."""
+def serving_lines(src, tokenizer_config: dict) -> list[str]:
+    """What the clients need to serve this model as trained (docs/deploy.md has the full commands).
+    `tokenizer_config`: the tokenizer_config.json written beside the merged weights."""
+    from finetune.train.portable import base_reference
+
     cfg = src.adapter_config
-    base = cfg.get("base_model_name_or_path") or src.base_name
+    base, _ = base_reference(src.recipe.model.name if src.recipe else src.base_name, src.base_name)
+    note = ""
+    if base.startswith(("builtin:", "synthetic:")):
+        base, note = "BASE_DIR", f"; BASE_DIR: the directory of `{base}` (no hub holds it; finetune builds it)"
     rank = vllm_max_lora_rank(cfg)
+    bos = tokenizer_config.get("add_bos_token")
     return ["## Serving", "",
             "- vLLM, merged: `vllm serve MERGED_DIR`; the chat template is in tokenizer_config.json and "
             "chat_template.jinja.",
             f"- vLLM, adapter over the base: `vllm serve {base} --enable-lora --max-lora-rank {rank} "
             f"--lora-modules ft=ADAPTER_DIR` (LoRA r={cfg.get('r')}; vLLM accepts max-lora-rank values "
-            f"{', '.join(map(str, VLLM_LORA_RANKS))}, default 16).",
+            f"{', '.join(map(str, VLLM_LORA_RANKS))}, default 16{note}).",
             "- llama.cpp / Ollama: `finetune export RUN_DIR --format gguf`, then `llama-server -m MODEL.gguf "
             "--jinja` (`--jinja` applies the chat template stored in the GGUF; without it llama.cpp falls back "
             "to a built-in template this model was not trained with).",
-            f"- tokenizer: add_bos_token={_adds_bos(src)}, as in training; transformers 4.x and 5.x both read "
-            "tokenizer_config.json (class PreTrainedTokenizerFast).", ""]
+            f"- tokenizer: add_bos_token {str(bos).lower() if bos is not None else 'unset'} (what training did); "
+            f"tokenizer_config.json names class {tokenizer_config.get('tokenizer_class')}, which transformers 4.x "
+            "and 5.x both read.", ""]
 
 
-def _adds_bos(src) -> str:
-    for d in (src.adapter_dir, src.base_dir):
-        p = d / "tokenizer_config.json"
-        if p.is_file():
-            value = json.loads(p.read_text()).get("add_bos_token")
-            if value is not None:
-                return str(bool(value)).lower()
-    return "as the tokenizer's post-processor says"
-
-
-def model_card(src, target: str, dtype: str, stats: dict, parity: dict) -> str:
+def model_card(src, target: str, dtype: str, stats: dict, parity: dict, tokenizer_config: dict) -> str:
     cfg = src.adapter_config
     rslora = " (rslora)" if cfg.get("use_rslora") else ""
     scales = ", ".join(f"{s:g}" for s in stats["scales"])
@@ -94,4 +92,4 @@ def model_card(src, target: str, dtype: str, stats: dict, parity: dict) -> str:
         lines += [f"- result: **{parity['status']}**: {parity['summary']}",
                   f"- details: `{json.dumps({k: v for k, v in parity.items() if k != 'summary'}, sort_keys=True)}`",
                   ""]
-    return "\n".join(lines + serving_lines(src) + _recipe_lines(src))
+    return "\n".join(lines + serving_lines(src, tokenizer_config) + _recipe_lines(src))

@@ -240,7 +240,8 @@ def _write_output(src: Source, tmp: Path, out: Path, target: str, dtype: str, ma
     _write_extras(src, tmp, torch_dtype(dtype))
     result = parity_check(src, tmp, target) if check else {"status": "skipped (--no-check)"}
     log.info(f"merge: parity {result['status']}" + (f": {result['summary']}" if "summary" in result else ""))
-    (tmp / "README.md").write_text(model_card(src, target, dtype, stats, result))
+    tok_cfg = json.loads((tmp / "tokenizer_config.json").read_text())
+    (tmp / "README.md").write_text(model_card(src, target, dtype, stats, result, tok_cfg))
     (tmp / "merge_info.json").write_text(json.dumps(
         {"inputs": fp, "stats": stats, "parity": result}, indent=2, sort_keys=True) + "\n")
     if result["status"] == "failed":
