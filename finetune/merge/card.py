@@ -32,7 +32,42 @@ def _recipe_lines(src) -> list[str]:
             f"- max_seq_len {r.data.max_seq_len}, packing {r.data.packing}", ""]
 
 
-def model_card(src, target: str, dtype: str, stats: dict, parity: dict) -> str:
+VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's LoRAConfig accepts only these max_lora_rank
+
+
+def vllm_max_lora_rank(cfg: dict) -> int:
+    """The --max-lora-rank vLLM needs for this adapter: the smallest value it accepts >= every rank used."""
+    rank = max([int(cfg.get("r") or 0), *(int(v) for v in (cfg.get("rank_pattern") or {}).values())])
+    return next((v for v in VLLM_LORA_RANKS if v >= rank), rank)
+
+
+def serving_lines(src, tokenizer_config: dict) -> list[str]:
+    """What the clients need to serve this model as trained (docs/deploy.md has the full commands).
+    `tokenizer_config`: the tokenizer_config.json written beside the merged weights."""
+    from finetune.train.portable import base_reference
+
+    cfg = src.adapter_config
+    base, _ = base_reference(src.recipe.model.name if src.recipe else src.base_name, src.base_name)
+    note = ""
+    if base.startswith(("builtin:", "synthetic:")):
+        base, note = "BASE_DIR", f"; BASE_DIR: the directory of `{base}` (no hub holds it; finetune builds it)"
+    rank = vllm_max_lora_rank(cfg)
+    bos = tokenizer_config.get("add_bos_token")
+    return ["## Serving", "",
+            "- vLLM, merged: `vllm serve MERGED_DIR`; the chat template is in tokenizer_config.json and "
+            "chat_template.jinja.",
+            f"- vLLM, adapter over the base: `vllm serve {base} --enable-lora --max-lora-rank {rank} "
+            f"--lora-modules ft=ADAPTER_DIR` (LoRA r={cfg.get('r')}; vLLM accepts max-lora-rank values "
+            f"{', '.join(map(str, VLLM_LORA_RANKS))}, default 16{note}).",
+            "- llama.cpp / Ollama: `finetune export RUN_DIR --format gguf`, then `llama-server -m MODEL.gguf "
+            "--jinja` (`--jinja` applies the chat template stored in the GGUF; without it llama.cpp falls back "
+            "to a built-in template this model was not trained with).",
+            f"- tokenizer: add_bos_token {str(bos).lower() if bos is not None else 'unset'} (what training did); "
+            f"tokenizer_config.json names class {tokenizer_config.get('tokenizer_class')}, which transformers 4.x "
+            "and 5.x both read.", ""]
+
+
+def model_card(src, target: str, dtype: str, stats: dict, parity: dict, tokenizer_config: dict) -> str:
     cfg = src.adapter_config
     rslora = " (rslora)" if cfg.get("use_rslora") else ""
     scales = ", ".join(f"{s:g}" for s in stats["scales"])
@@ -57,4 +92,4 @@ def model_card(src, target: str, dtype: str, stats: dict, parity: dict) -> str:
         lines += [f"- result: **{parity['status']}**: {parity['summary']}",
                   f"- details: `{json.dumps({k: v for k, v in parity.items() if k != 'summary'}, sort_keys=True)}`",
                   ""]
-    return "\n".join(lines + _recipe_lines(src))
+    return "\n".join(lines + serving_lines(src, tokenizer_config) + _recipe_lines(src))

@@ -60,6 +60,10 @@ def find_base(cfg: dict, recipe) -> tuple[str, Path]:
     for name in names:
         if name in BUILTIN_MODELS:  # only known builtin models: any other name may be a local dir or cached
             return name, builtin_dir(name)
+        if name.startswith("synthetic:"):  # adapters name these bases portably (train/portable.py)
+            from finetune.train.synthetic import synthetic_dir
+
+            return name, synthetic_dir(name)
         if Path(name).expanduser().is_dir():
             return name, Path(name).expanduser().resolve()
     for name in names:

@@ -30,6 +30,7 @@ from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, merged_tens
                                  shard_names)
 from finetune.merge.output import apply_umask, clean_stale, output_dir, temp_dir, up_to_date, write_error
 from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
+from finetune.train.portable import save_tokenizer
 from finetune.util.atomic import replace_dir
 from finetune.util.dtypes import recipe_name, torch_dtype
 from finetune.util.errors import RecipeError
@@ -180,7 +181,7 @@ def _write_extras(src: Source, tmp: Path, out_dtype: torch.dtype) -> None:
     if (src.base_dir / "generation_config.json").is_file():
         shutil.copyfile(src.base_dir / "generation_config.json", tmp / "generation_config.json")
     try:
-        AutoTokenizer.from_pretrained(tokenizer_dir(src)).save_pretrained(tmp)
+        save_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir(src)), tmp)  # portable form (train/portable)
     except (ValueError, OSError) as e:
         if isinstance(e, OSError) and e.errno is not None:
             raise  # a failed write into tmp
@@ -239,7 +240,8 @@ def _write_output(src: Source, tmp: Path, out: Path, target: str, dtype: str, ma
     _write_extras(src, tmp, torch_dtype(dtype))
     result = parity_check(src, tmp, target) if check else {"status": "skipped (--no-check)"}
     log.info(f"merge: parity {result['status']}" + (f": {result['summary']}" if "summary" in result else ""))
-    (tmp / "README.md").write_text(model_card(src, target, dtype, stats, result))
+    tok_cfg = json.loads((tmp / "tokenizer_config.json").read_text())
+    (tmp / "README.md").write_text(model_card(src, target, dtype, stats, result, tok_cfg))
     (tmp / "merge_info.json").write_text(json.dumps(
         {"inputs": fp, "stats": stats, "parity": result}, indent=2, sort_keys=True) + "\n")
     if result["status"] == "failed":

@@ -30,6 +30,7 @@ from finetune.train.load import placement_for
 from finetune.train.loss import loss_totals
 from finetune.train.metrics import Metrics
 from finetune.train.model import enable_checkpointing, load_model, load_tokenizer
+from finetune.train.portable import portable_peft_config, save_tokenizer
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.train.stop import StopSignal
@@ -304,7 +305,8 @@ def save_checkpoint(run: Run):
     state = gather_full_adapter_state(acc, run.model)  # full shapes on rank 0, {} elsewhere
     cfg = acc.unwrap_model(run.model).peft_config["default"]
     checkpoint.save(run.ckpt_root, run.step, rank=acc.process_index, world=acc.num_processes,
-                    barrier=acc.wait_for_everyone, adapter=(cfg, state) if acc.is_main_process else None,
+                    barrier=acc.wait_for_everyone,
+                    adapter=(portable_peft_config(cfg, run.recipe.model), state) if acc.is_main_process else None,
                     optimizer=run.optimizer, scheduler=run.scheduler,
                     data_state={"epoch": run.epoch, "cursor": run.cursor}, keep=t.keep_checkpoints,
                     fingerprint=run_fingerprint(run), scaler_state=run.scaler.state_dict() if run.scaler else None)
@@ -324,7 +326,7 @@ def export_adapter(run: Run):
         cfg = acc.unwrap_model(run.model).peft_config["default"]
 
         def build(out: Path):
-            checkpoint.write_adapter(out, cfg, state)
-            run.tok.save_pretrained(str(out))
+            checkpoint.write_adapter(out, portable_peft_config(cfg, run.recipe.model), state)
+            save_tokenizer(run.tok, out)  # in the form transformers 4 and llama.cpp read too
 
         checkpoint.publish_dir(run.run_dir / "adapter", build)  # atomic: a crash never leaves half an adapter

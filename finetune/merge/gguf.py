@@ -1,0 +1,134 @@
+"""`finetune export RUN_DIR --format gguf`: the merged model (or the LoRA adapter alone) as a GGUF file for
+llama.cpp and Ollama, written by llama.cpp's own converter (merge/converter.py) and checked before it appears.
+
+1. The merged model: RUN_DIR/merged when a merge wrote it (merge_info.json), else `finetune merge` first
+   (merge/stream.py, same defaults). `--adapter-only` converts RUN_DIR/adapter against its base instead.
+2. The converter writes into a temporary sibling of the output file.
+3. Every tensor is read back with gguf-py's reader and compared with its source (merge/gguf_check.py).
+4. Where llama-cpp-python is importable, greedy generations of llama.cpp on the run's held-out prompts must
+   equal transformers' (merge/gguf_greedy.py); otherwise the result says it was skipped and why.
+Only then is the file renamed into place, with a JSON report beside it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from finetune.merge import converter
+from finetune.util.errors import RecipeError
+from finetune.util.log import log
+
+OUTTYPES = ("f16", "q8_0", "f32")
+# Pre-tokenizers the pinned converter does not know by hash (see merge/llama_shim.py). builtin:tiny-llama's
+# tokenizer is tokenizers' ByteLevel(add_prefix_space=False, use_regex=True): it splits text with the GPT-2
+# regex ('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+) before byte-level BPE,
+# exactly what llama.cpp's "gpt-2" pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_GPT2) does; only the vocabulary
+# differs, and that travels in the GGUF. tests/integration/test_export_gguf.py checks the hash still matches
+# and that llama.cpp tokenizes like transformers where llama-cpp-python is installed.
+PRE_TOKENIZERS = {"475860018a11192b537540fd0c106e46e950b3c4008bf31916219846807d2166": "gpt-2"}
+
+
+def _merged_dir(run_dir: Path, merged: str | None) -> Path:
+    if merged:
+        m = Path(merged).expanduser().resolve()
+        if not (m / "config.json").is_file():
+            raise RecipeError([f"--merged {m}: no config.json (not a merged model directory)"], "export")
+        return m
+    default = run_dir / "merged"
+    if (default / "merge_info.json").is_file():
+        return default
+    from finetune.merge.stream import merge
+
+    log.info(f"export: no merged model in {default}; merging first")
+    return merge(run_dir)
+
+
+def _converter_failed(proc, what: str) -> RuntimeError:
+    tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
+    return RuntimeError(f"export: llama.cpp's {what} failed (exit {proc.returncode}):\n{tail}")
+
+
+def _weights(directory: Path) -> dict:
+    """HF name -> tensor for every safetensors file of `directory` (memory-mapped by safetensors)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _convert(run_dir: Path, outtype: str, adapter_only: bool, merged: str | None, tmp: Path):
+    """Run the converter into `tmp`; returns (sources for the check, config.json dict, what was converted)."""
+    if adapter_only:
+        from finetune.merge.source import resolve_source
+
+        src = resolve_source(run_dir)
+        args = [str(src.adapter_dir), "--base", str(src.base_dir), "--outfile", str(tmp), "--outtype", outtype]
+        proc = converter.run_converter("convert_lora_to_gguf.py", args, PRE_TOKENIZERS)
+        if proc.returncode != 0:
+            raise _converter_failed(proc, "convert_lora_to_gguf.py")
+        config = json.loads((src.base_dir / "config.json").read_text())
+        return _weights(src.adapter_dir), config, src.adapter_dir
+    model_dir = _merged_dir(run_dir, merged)
+    args = [str(model_dir), "--outfile", str(tmp), "--outtype", outtype]
+    proc = converter.run_converter("convert_hf_to_gguf.py", args, PRE_TOKENIZERS)
+    if proc.returncode != 0:
+        raise _converter_failed(proc, "convert_hf_to_gguf.py")
+    return _weights(model_dir), json.loads((model_dir / "config.json").read_text()), model_dir
+
+
+def default_output(run_dir: Path, outtype: str, adapter_only: bool) -> Path:
+    return run_dir / "gguf" / f"{'adapter' if adapter_only else 'model'}-{outtype}.gguf"
+
+
+def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, output: str | None = None,
+                merged: str | None = None, greedy_prompts: int = 200) -> dict:
+    """Convert, check, then publish OUTPUT (and OUTPUT.json, the check report). RuntimeError when a check
+    fails (nothing is published); RecipeError for bad input or a missing converter."""
+    from finetune.merge.gguf_check import check_tensors
+
+    if outtype not in OUTTYPES:
+        raise RecipeError([f"--outtype: expected one of {', '.join(OUTTYPES)}, got {outtype!r}"], "export")
+    run_dir = Path(run_dir).expanduser().resolve()
+    conv = converter.require()
+    if not (run_dir / "adapter" / "adapter_config.json").is_file() and not (merged and not adapter_only):
+        raise RecipeError([f"{run_dir} is not a run dir (no adapter/adapter_config.json)"], "export")
+    out = Path(output).expanduser().resolve() if output else default_output(run_dir, outtype, adapter_only)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        sources, config, converted = _convert(run_dir, outtype, adapter_only, merged, tmp)
+        tensors = check_tensors(conv, tmp, sources, config, lora=adapter_only)
+        report = {"format": "gguf", "outtype": outtype, "adapter_only": adapter_only, "source": str(converted),
+                  "converter": f"llama.cpp convert_{'lora' if adapter_only else 'hf'}_to_gguf.py from "
+                               f"llama-cpp-python=={converter.PIN}", "tensors": tensors}
+        if tensors["mismatched"]:
+            raise RuntimeError(f"export: {len(tensors['mismatched'])} GGUF tensor(s) differ from their source, "
+                               f"e.g. {tensors['mismatched'][0]}; nothing was written to {out}")
+        report["greedy"] = _greedy(run_dir, converted, tmp, adapter_only, greedy_prompts)
+        if report["greedy"].get("status") == "failed":
+            raise RuntimeError(f"export: llama.cpp's greedy outputs differ from transformers': "
+                               f"{report['greedy']['summary']}; nothing was written to {out}")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    out.with_name(out.name + ".json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    return {"output": str(out), **report}
+
+
+def _greedy(run_dir: Path, converted: Path, gguf_file: Path, adapter_only: bool, n: int) -> dict:
+    import importlib.util
+
+    if n <= 0:
+        return {"status": "skipped (--greedy-prompts 0)"}
+    if importlib.util.find_spec("llama_cpp") is None:
+        return {"status": "skipped: llama-cpp-python is not installed (pip install llama-cpp-python=="
+                          f"{converter.PIN} to compare llama.cpp's greedy outputs with transformers')"}
+    if adapter_only:
+        return {"status": "skipped: the greedy comparison runs on the merged GGUF (llama.cpp applies a LoRA "
+                          "GGUF over a base GGUF, which this export does not write)"}
+    from finetune.merge.gguf_greedy import greedy_parity
+
+    return greedy_parity(run_dir, converted, gguf_file, n)
