@@ -73,8 +73,7 @@ def _chat(tok, messages: list[dict], template: str | None, train_on_inputs: bool
     if not template:
         raise ValueError("chat data needs a chat template: the tokenizer has none; set data.chat_template "
                          "(a Jinja template, or `chatml`)")
-    render = lambda msgs, gen=False: tok.apply_chat_template(  # noqa: E731
-        msgs, chat_template=template, tokenize=False, add_generation_prompt=gen)
+    render = lambda msgs, gen=False: render_chat(tok, msgs, template, gen)  # noqa: E731
     if first_trained is None and _GENERATION_TAG.search(template):
         enc = tok.apply_chat_template(messages, chat_template=template, tokenize=True, return_dict=True,
                                       return_assistant_tokens_mask=True)
@@ -97,6 +96,45 @@ def _chat(tok, messages: list[dict], template: str | None, train_on_inputs: bool
     return {"input_ids": list(enc["input_ids"]), "labels": labels}
 
 
+def render_chat(tok, messages: list[dict], template: str, gen: bool = False) -> str:
+    """The chat as text; with `gen`, followed by the template's start of an assistant turn."""
+    return tok.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=gen)
+
+
+def prompt_ids(tok, prompt, template: str | None = None) -> list[int]:
+    """The token ids training gives a prompt, for generation to continue from: a chat (a list of messages)
+    rendered up to the start of the next assistant turn and tokenized without added special tokens, as
+    `_chat` tokenizes the whole rendering; a text prompt with the tokenizer's special tokens, as
+    `_prompt_completion` tokenizes it."""
+    if isinstance(prompt, list):
+        if not template:
+            raise ValueError("a chat prompt needs a chat template: the tokenizer has none; set data.chat_template")
+        return tok(render_chat(tok, prompt, template, gen=True), add_special_tokens=False)["input_ids"]
+    return tok(prompt, add_special_tokens=True)["input_ids"]
+
+
+def chat_messages(row: dict) -> list[dict] | None:
+    """A chat row's messages in {"role", "content"} form (messages, sharegpt, conversational
+    prompt/completion), None for other rows."""
+    if isinstance(row.get("messages"), list):
+        return row["messages"]
+    if isinstance(row.get("conversations"), list):
+        return [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")), "content": t.get("value")}
+                for t in row["conversations"]]
+    if isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
+        return row["prompt"] + row["completion"]
+    return None
+
+
+def last_turn(row: dict) -> tuple[list[dict], str] | None:
+    """(the messages before the last assistant turn, that turn's text) of a chat row, None when it has none."""
+    msgs = chat_messages(row)
+    for i in range(len(msgs or []) - 1, 0, -1):
+        if msgs[i].get("role") == "assistant" and isinstance(msgs[i].get("content"), str):
+            return msgs[:i], msgs[i]["content"]
+    return None
+
+
 def encode(row: dict, fmt: str, tok, spec: DataSpec) -> dict:
     """One row -> {"input_ids", "labels"}. Raises ValueError for a row that does not fit `fmt`."""
     fmt = (detect_format(row) or "unknown") if fmt == "auto" else fmt
@@ -112,9 +150,7 @@ def encode(row: dict, fmt: str, tok, spec: DataSpec) -> dict:
     if fmt == "messages":
         return _chat(tok, _cut_turns(row["messages"], n), template, spec.train_on_inputs)
     if fmt == "sharegpt":
-        msgs = [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")), "content": t.get("value")}
-                for t in row["conversations"]]
-        return _chat(tok, _cut_turns(msgs, n), template, spec.train_on_inputs)
+        return _chat(tok, _cut_turns(chat_messages(row), n), template, spec.train_on_inputs)
     if fmt == "text":  # continued pretraining: every token trains
         ids = _ids(tok, _str(row, "text"), special=True, max_len=n) + _eos(tok)
         return {"input_ids": ids, "labels": list(ids)}
