@@ -60,13 +60,23 @@ def load_merged(path: Path):
 
 
 def trains_chat(recipe) -> bool:
-    """Whether the recipe's training rows are chats (their first row decides for `format: auto`)."""
-    from finetune.data.formats import BadRows, detect_format
+    """Whether the recipe's training rows are chats (messages, sharegpt, conversational prompt/completion);
+    for `format: auto` and prompt_completion the first row of each source decides."""
+    from finetune.data.formats import BadRows
     from finetune.data.sources import iter_rows
+    from finetune.util.log import log
 
     for src in recipe.data.sources:
-        fmt = src.format if src.format != "auto" else detect_format(next(iter_rows(src, BadRows("skip")), {}))
-        if fmt in ("messages", "sharegpt"):
+        if src.format in ("messages", "sharegpt"):
+            return True
+        if src.format not in ("auto", "prompt_completion"):
+            continue
+        try:
+            row = next(iter_rows(src, BadRows("skip")), {})
+        except (OSError, RecipeError) as e:  # the data moved since training: say so, prompt as plain text
+            log.warning(f"generate: cannot read {src.path} to see whether it is chat data ({e}); pass --chat if so")
+            continue
+        if encode.chat_messages(row) is not None:
             return True
     return False
 

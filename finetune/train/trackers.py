@@ -63,7 +63,8 @@ def init_kwargs(report_to, run_dir: Path, state: dict, step: int) -> dict:
     """Per-tracker arguments: the kept run ids when `state` has them (a resumed run), else new ones."""
     kw = {}
     if "tensorboard" in report_to:
-        kw["tensorboard"] = {"purge_step": step + 1}  # events past the resumed step are dropped, as in metrics.jsonl
+        # Events past the resumed step are dropped, as metrics.jsonl drops their lines; a crash loses <= 30 s.
+        kw["tensorboard"] = {"purge_step": step + 1, "flush_secs": 30}
     if "wandb" in report_to:
         wid = state.get("wandb", {}).get("id") or uuid.uuid4().hex[:12]
         kw["wandb"] = {"id": wid, "resume": "allow", "name": Path(run_dir).name}

@@ -98,7 +98,7 @@ def test_wandb_offline_resume_appends_to_the_same_run(tracked):
     root, _, first, records = tracked
     wid = first["wandb"]["id"]
     runs = sorted((root / "wandb" / "wandb").glob(f"offline-run-*-{wid}"))
-    assert len(runs) == 2 and not list((root / "wandb" / "wandb").glob("offline-run-*")) != runs  # both starts, one id
+    assert len(runs) == 2 and sorted((root / "wandb" / "wandb").glob("offline-run-*")) == runs  # two starts, one id
     steps = []
     for run in runs:
         for rec in _wandb_records(run / f"run-{wid}.wandb"):

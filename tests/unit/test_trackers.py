@@ -47,6 +47,6 @@ def test_resumed_run_reuses_kept_ids_and_a_fresh_one_does_not(tmp_path):
     state = {"wandb": {"id": "abc"}, "mlflow": {"run_id": "r1"}}
     kw = T.init_kwargs(["tensorboard", "wandb", "mlflow"], tmp_path, state, step=7)
     assert kw["wandb"]["id"] == "abc" and kw["wandb"]["resume"] == "allow" and kw["mlflow"]["run_id"] == "r1"
-    assert kw["tensorboard"] == {"purge_step": 8}  # events after the resumed step go, as metrics.jsonl's lines do
+    assert kw["tensorboard"]["purge_step"] == 8  # events after the resumed step go, as metrics.jsonl's lines do
     fresh = T.init_kwargs(["wandb", "mlflow"], tmp_path, {}, step=0)
     assert fresh["wandb"]["id"] != "abc" and fresh["mlflow"]["run_id"] is None
