@@ -1,16 +1,32 @@
-"""`finetune generate RUN_DIR --prompt TEXT`: greedy text from a run's adapter (or its base alone)."""
+"""`finetune generate RUN_DIR --prompt TEXT`: text from a run's adapter, its merged model or its base alone,
+greedy or sampled, prompted the way training rendered its rows (the chat template for chat data)."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 
 def register(sub) -> None:
-    p = sub.add_parser("generate", help="sample from the trained adapter",
-                       description="Greedy text from a run's adapter, one JSON line per prompt.")
-    p.add_argument("run_dir", type=Path)
-    p.add_argument("--prompt", action="append", required=True, help="may be given several times")
-    p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")
+    p = sub.add_parser("generate", help="greedy or sampled text from the trained adapter",
+                       description="Text from a run's adapter (or merged model, or base alone), one JSON line per "
+                                   "prompt. When the recipe trains chat data (or with --chat) each prompt is a user "
+                                   "turn rendered with the run's chat template up to the assistant's turn, exactly "
+                                   "as training rendered it. Greedy unless --temperature > 0.")
+    p.add_argument("run_dir", type=Path, help="run dir (recipe.yaml + adapter/), or with --merged a merged model dir")
+    p.add_argument("--prompt", action="append", required=True,
+                   help="may be given several times; \\n and other escapes are decoded")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="render each prompt as a user turn with the chat template (default: when the recipe's "
+                        "training data are chats)")
+    p.add_argument("--system", help="a system message before each chat prompt")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the recipe's eval.max_new_tokens")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (with --temperature > 0)")
+    p.add_argument("--seed", type=int, default=None, help="seed of the sampler, for repeatable samples")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")
+    which.add_argument("--merged", action="store_true",
+                       help="the merged model: RUN_DIR/merged (from `finetune merge`) or RUN_DIR itself")
     p.set_defaults(run=run)
 
 
@@ -18,13 +34,28 @@ def run(args) -> int:
     import contextlib
     import json
 
-    from finetune.train.evaluate import greedy, load_run
+    from finetune.data.encode import chat_template
+    from finetune.train.evaluate import generate, load_run, trains_chat
+    from finetune.util.errors import RecipeError
 
-    recipe, tok, model = load_run(args.run_dir)
-    mnt = args.max_new_tokens or recipe.eval.max_new_tokens
-    prompts = [p.encode().decode("unicode_escape") for p in args.prompt]  # allow "\n" on the command line
+    if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
+        raise RecipeError(["--temperature must be >= 0 and --top-p in (0, 1]"])
+    recipe, tok, model = load_run(args.run_dir, merged=args.merged)
+    chat = args.chat if args.chat is not None else (recipe is not None and trains_chat(recipe))
+    template = (chat_template(recipe.data, tok) if recipe is not None else tok.chat_template) if chat else None
+    if chat and not template:
+        raise RecipeError(["--chat: the tokenizer has no chat template and the recipe sets no data.chat_template"])
+    mnt = args.max_new_tokens or (recipe.eval.max_new_tokens if recipe is not None else 64)
+    texts = [p.encode().decode("unicode_escape") for p in args.prompt]  # allow "\n" on the command line
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    prompts = [system + [{"role": "user", "content": t}] for t in texts] if chat else texts
+    sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else None
+    if args.seed is not None:
+        from transformers import set_seed
+
+        set_seed(args.seed)
     with model.disable_adapter() if args.no_adapter else contextlib.nullcontext():
-        outs = greedy(model, tok, prompts, mnt)
-    for p, o in zip(prompts, outs):
-        print(json.dumps({"prompt": p, "output": o}))
+        outs = generate(model, tok, prompts, template, mnt, sampling)
+    for t, o in zip(texts, outs):
+        print(json.dumps({"prompt": t, "output": o}))
     return 0

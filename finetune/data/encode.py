@@ -82,6 +82,54 @@ def encode_all(row: dict, fmt: str, tok, spec: DataSpec) -> list[dict]:
     return [encode(row, fmt, tok, spec)]
 
 
+def render_chat(tok, messages: list[dict], template: str, gen: bool = False, tools: list | None = None) -> str:
+    """The chat as training renders it (chat.normalize, the row's tools); with `gen`, followed by the
+    template's start of an assistant turn."""
+    from finetune.data.chat import normalize
+
+    return tok.apply_chat_template(normalize(messages), tools=tools, chat_template=template, tokenize=False,
+                                   add_generation_prompt=gen)
+
+
+def prompt_ids(tok, prompt, template: str | None = None) -> list[int]:
+    """The token ids training gives a prompt, for generation to continue from: a chat (a list of messages,
+    or {"messages", "tools"} for a row with tools) rendered up to the start of the next assistant turn and
+    tokenized without added special tokens, as training tokenizes a turn's prompt (chat.py); a text prompt
+    with the tokenizer's special tokens, as `_prompt_completion` tokenizes it."""
+    if isinstance(prompt, (list, dict)):
+        if not template:
+            raise ValueError("a chat prompt needs a chat template: the tokenizer has none; set data.chat_template")
+        msgs, tools = (prompt["messages"], prompt.get("tools")) if isinstance(prompt, dict) else (prompt, None)
+        return tok(render_chat(tok, msgs, template, gen=True, tools=tools), add_special_tokens=False)["input_ids"]
+    return tok(prompt, add_special_tokens=True)["input_ids"]
+
+
+def chat_messages(row: dict) -> list[dict] | None:
+    """A chat row's messages in {"role", "content"} form (messages, sharegpt, conversational
+    prompt/completion), None for other rows."""
+    if isinstance(row.get("messages"), list):
+        return row["messages"]
+    if isinstance(row.get("conversations"), list):
+        return [{"role": SHAREGPT_ROLES.get(t.get("from"), t.get("from")), "content": t.get("value")}
+                for t in row["conversations"]]
+    if isinstance(row.get("prompt"), list) and isinstance(row.get("completion"), list):
+        return row["prompt"] + row["completion"]
+    return None
+
+
+def last_turn(row: dict) -> tuple[list[dict] | dict, str] | None:
+    """(the messages before the last assistant turn, that turn's text) of a chat row, None when it has none;
+    for a row with tools the messages come as {"messages", "tools"} (see prompt_ids)."""
+    from finetune.data.formats import parse_json_field
+
+    msgs = chat_messages(row)
+    for i in range(len(msgs or []) - 1, 0, -1):
+        if msgs[i].get("role") == "assistant" and isinstance(msgs[i].get("content"), str):
+            tools = parse_json_field(row["tools"], list) if row.get("tools") else None
+            return ({"messages": msgs[:i], "tools": tools} if tools else msgs[:i]), msgs[i]["content"]
+    return None
+
+
 def encode(row: dict, fmt: str, tok, spec: DataSpec) -> dict:
     """One row -> {"input_ids", "labels"}. Raises ValueError for a row that does not fit `fmt`, or a chat
     that trains as several examples (use encode_all)."""

@@ -219,7 +219,9 @@ class EvalSpec(_Section):
     max_batches: int | None = Field(None, ge=1)
     """Cap on held-out batches per evaluation (null: all of them)."""
     exact_match_samples: int = Field(50, ge=0)
-    """Held-out prompt/completion rows scored by greedy exact match in `finetune eval`."""
+    """Held-out rows scored by greedy exact match in `finetune eval`: the completion of prompt/completion and
+    instruction rows, the last assistant turn of chat rows (prompted with the chat template as training
+    rendered it); both sides are stripped of surrounding whitespace, nothing else is normalised."""
     max_new_tokens: int = Field(32, ge=1)
     """Generation length for exact match and `generate`."""
 
@@ -285,8 +287,12 @@ class OutputSpec(_Section):
     dir: str = "runs/tiny_cpu"
     """Run directory (recipe, adapter, checkpoints, metrics). Relative paths are taken from the current
     directory."""
-    report_to: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list)
-    """Extra Accelerate trackers besides metrics.jsonl."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(default_factory=list)
+    """Accelerate trackers that receive every metrics.jsonl record (same steps) and, as the run's config, the
+    resolved recipe, data stats and memory plan. Each needs its extra: `pip install 'finetune[wandb]'`.
+    TensorBoard writes RUN_DIR/tensorboard; W&B and MLflow read their usual environment (WANDB_MODE,
+    WANDB_DIR, MLFLOW_TRACKING_URI, ...). A resumed run continues the same tracker runs
+    (RUN_DIR/trackers.json)."""
     progress_bar: bool = True
     """Show a progress bar on interactive terminals."""
 

@@ -113,13 +113,14 @@ def _fsdp_mixed_precision(version: int, param_dtype: torch.dtype):
 # Accelerator
 
 
-def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, model_dtype: str):
+def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, model_dtype: str, **trackers):
     """An Accelerator for `dist.strategy`; FSDP on CPU goes through the real FSDP path (see module doc).
 
     The returned accelerator has mixed_precision="no"; `autocast(accelerator)` gives the forward's
     autocast from `train.mixed_precision`. Its gradient_accumulation_steps stays 1: the loop owns
     accumulation and normalises the loss by the step's tokens itself, and Accelerate would divide every
-    `accelerator.backward` by the accumulation steps once more.
+    `accelerator.backward` by the accumulation steps once more. `trackers`: log_with and project_config
+    (train.trackers.accelerator_kwargs).
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
@@ -151,7 +152,7 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
     # `accelerate launch` with an FSDP config, Accelerate builds its own plugin from the launcher's FSDP_*
     # variables, and FSDP1's sync_module_states=true raises "no available devices" on CPU.
     acc = Accelerator(cpu=on_cpu, mixed_precision="no", fsdp_plugin=plugin,
-                      kwargs_handlers=handlers)
+                      kwargs_handlers=handlers, **trackers)
     if dist.num_processes is not None and dist.num_processes != acc.num_processes:
         raise RecipeError([f"distributed.num_processes is {dist.num_processes} but the launcher started "
                            f"{acc.num_processes}. Fix: launch {dist.num_processes} processes or change the recipe"])

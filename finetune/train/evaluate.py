@@ -1,7 +1,10 @@
 """What `finetune eval` and `finetune generate` run: outside any FSDP wrapper, in one process, from RUN_DIR alone.
 
-The base is loaded exactly as training saw it (same quantization), the adapter from RUN_DIR/adapter.
-`eval` reports held-out loss with and without the adapter, and greedy exact match on prompt/completion rows.
+The base is loaded exactly as training saw it (same quantization), the adapter from RUN_DIR/adapter (or
+the merged model `finetune merge` wrote). Prompts are the token ids training gave them (data.encode's
+`prompt_ids`): chats rendered with the same template up to the assistant's turn. `eval` reports held-out
+loss with and without the adapter, and greedy exact match (both sides stripped of surrounding whitespace)
+of the completion of prompt/completion and instruction rows and of the last assistant turn of chat rows.
 """
 from __future__ import annotations
 
@@ -17,12 +20,15 @@ from finetune.train.device import model_device, to_model_device
 from finetune.util.errors import RecipeError
 
 
-def load_run(run_dir: Path):
-    """(recipe, tokenizer, PeftModel over the quantized base) for a finished run."""
+def load_run(run_dir: Path, merged: bool = False):
+    """(recipe, tokenizer, model) for a finished run: a PeftModel over the quantized base, or with
+    `merged`, the merged model in RUN_DIR/merged (or RUN_DIR itself when it is a merged model's dir)."""
     from peft import PeftModel
 
     from finetune.train.model import load_model, load_tokenizer
 
+    if merged:
+        return load_merged(run_dir)
     adapter = run_dir / "adapter"
     if not (run_dir / "recipe.yaml").exists() or not (adapter / "adapter_config.json").exists():
         raise RecipeError([f"{run_dir}: not a finished run dir (needs recipe.yaml and adapter/)"])
@@ -38,7 +44,50 @@ def load_run(run_dir: Path):
     return recipe, tok, model
 
 
-def _prompt_completion(row: dict) -> tuple[str, str] | None:
+def load_merged(path: Path):
+    """(recipe or None, tokenizer, model) of a merged model: PATH/merged, or PATH itself; the recipe is the
+    run's when PATH is a run dir."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = path / "merged" if (path / "merged" / "config.json").exists() else path
+    if not (model_dir / "config.json").exists():
+        raise RecipeError([f"{path}: no merged model (neither {path}/merged/config.json nor {path}/config.json); "
+                           f"run `finetune merge {path}` first"])
+    recipe = read_recipe(path) if (path / "recipe.yaml").exists() else None
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", use_safetensors=True)
+    model.eval()
+    return recipe, tok, model
+
+
+def trains_chat(recipe) -> bool:
+    """Whether the recipe's training rows are chats (messages, sharegpt, conversational prompt/completion);
+    for `format: auto` and prompt_completion the first row of each source decides."""
+    from finetune.data.formats import BadRows
+    from finetune.data.sources import iter_rows
+    from finetune.util.log import log
+
+    for src in recipe.data.sources:
+        if src.format in ("messages", "sharegpt"):
+            return True
+        if src.format not in ("auto", "prompt_completion"):
+            continue
+        try:
+            row = next(iter_rows(src, BadRows("skip")), {})
+        except (OSError, RecipeError) as e:  # the data moved since training: say so, prompt as plain text
+            log.warning(f"generate: cannot read {src.path} to see whether it is chat data ({e}); pass --chat if so")
+            continue
+        if encode.chat_messages(row) is not None:
+            return True
+    return False
+
+
+def _prompt(row: dict):
+    """(prompt, expected answer) of a held-out row: a text prompt, or the messages before a chat's last
+    assistant turn; None for rows without one (text)."""
+    chat = encode.last_turn(row)
+    if chat:
+        return chat
     if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
         return row["prompt"], row["completion"]
     if isinstance(row.get("instruction"), str) and isinstance(row.get("output"), str):
@@ -46,23 +95,52 @@ def _prompt_completion(row: dict) -> tuple[str, str] | None:
     return None
 
 
+def stop_ids(tok, template: str | None) -> list[int]:
+    """End of sequence, and the special token that closes an assistant turn in `template` (Llama 3's
+    <|eot_id|>, ChatML's <|im_end|>): a chat answer ends there even when it is not the eos token."""
+    ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
+    if template:
+        marker = "\x00answer\x00"
+        text = encode.render_chat(tok, [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                  template)
+        after = tok(text[text.find(marker) + len(marker):], add_special_tokens=False)["input_ids"]
+        if after and after[0] in tok.all_special_ids and after[0] not in ids:
+            ids.append(after[0])
+    return ids
+
+
 @torch.no_grad()
-def greedy(model, tok, prompts: list[str], max_new_tokens: int, batch_size: int = 16) -> list[str]:
+def generate(model, tok, prompts: list, template: str | None, max_new_tokens: int, sampling: dict | None = None,
+             batch_size: int = 16) -> list[str]:
+    """Continuations of `prompts` (texts or message lists, see encode.prompt_ids): greedy, or sampled with
+    `sampling` ({"temperature", "top_p"}, seeded by the caller) through transformers' GenerationConfig."""
+    from transformers import GenerationConfig
+
+    sampling = sampling or {}
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=bool(sampling.get("temperature")),
+                              pad_token_id=tok.pad_token_id, eos_token_id=stop_ids(tok, template),
+                              **({k: v for k, v in sampling.items() if v is not None} if sampling.get("temperature")
+                                 else {}))
     tok.padding_side = "left"  # generation continues from the right end of every row
     out = []
     for i in range(0, len(prompts), batch_size):
-        enc = to_model_device(model, tok(prompts[i: i + batch_size], return_tensors="pt", padding=True))
-        gen = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        ids = [{"input_ids": encode.prompt_ids(tok, p, template)} for p in prompts[i: i + batch_size]]
+        enc = to_model_device(model, tok.pad(ids, padding=True, return_tensors="pt"))
+        gen = model.generate(**enc, generation_config=config)
         out += tok.batch_decode(gen[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     return out
 
 
-def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int) -> float | None:
-    pairs = [p for p in (_prompt_completion(r) for r in rows) if p][:n]
+def greedy(model, tok, prompts: list, max_new_tokens: int, template: str | None = None) -> list[str]:
+    """Greedy continuations of `prompts` (see `generate`)."""
+    return generate(model, tok, prompts, template, max_new_tokens)
+
+
+def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int, template: str | None) -> float | None:
+    pairs = [p for p in (_prompt(r) for r in rows) if p][:n]
     if not pairs:
         return None
-    outs = greedy(model, tok, [p for p, _ in pairs], max_new_tokens)
+    outs = generate(model, tok, [p for p, _ in pairs], template, max_new_tokens)
     return sum(o.strip() == c.strip() for o, (_, c) in zip(outs, pairs)) / len(pairs)
 
 
@@ -81,11 +159,12 @@ def run_eval(run_dir: Path) -> dict:
     if not prepared.eval:
         raise RecipeError(["data: no held-out rows; set data.eval_sources or data.eval_split > 0"])
     n, mnt = recipe.eval.exact_match_samples, recipe.eval.max_new_tokens
+    template = encode.chat_template(recipe.data, tok)
     res = {"eval_loss": heldout_loss(model, prepared.eval, recipe),
-           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt)}
+           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt, template)}
     with model.disable_adapter():
         res["base_eval_loss"] = heldout_loss(model, prepared.eval, recipe)
-        res["base_exact_match"] = exact_match(model, tok, prepared.eval_rows, n, mnt)
+        res["base_exact_match"] = exact_match(model, tok, prepared.eval_rows, n, mnt, template)
     res["eval_rows"] = len(prepared.eval)
     res["perplexity"] = float(torch.exp(torch.tensor(res["eval_loss"])))
     return res

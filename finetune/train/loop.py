@@ -34,6 +34,7 @@ from finetune.train.portable import portable_peft_config, save_tokenizer
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.train.stop import StopSignal
+from finetune.train.trackers import Trackers, accelerator_kwargs
 from finetune.util.errors import RecipeError
 from finetune.util.log import log
 
@@ -90,7 +91,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         log.info(f"model: {trainable_report(run.model)}; data: {stats['rows']} rows, "
                  f"{stats['trained_tokens']} trained tokens; {run.total_steps} steps")
     run.eval_batches = held_out_batches(run)
-    run.metrics = Metrics(run_dir, run.total_steps, run.step, recipe.output.progress_bar)
+    trackers = Trackers(run.acc, recipe, run_dir, run.prepared.stats, run.step, run.resumed_from is not None)
+    run.metrics = Metrics(run_dir, run.total_steps, run.step, recipe.output.progress_bar, trackers)
     run.model.train()
     run.batches = run.epoch_batches()
     run.scaler = make_scaler(run)
@@ -139,7 +141,8 @@ def setup(recipe: Recipe, run_dir: Path) -> Run:
     """Accelerator, tokenizer, data, the 4-bit base with fresh LoRA adapters, packing layout, step count,
     optimizer and schedule; the model is not wrapped for its strategy yet (that is `resume`'s)."""
     t = recipe.train
-    acc = make_accelerator(recipe.distributed, recipe.fsdp, t, recipe.model.dtype)
+    acc = make_accelerator(recipe.distributed, recipe.fsdp, t, recipe.model.dtype,
+                           **accelerator_kwargs(recipe.output.report_to, run_dir))
     torch.manual_seed(t.seed)
     tok = load_tokenizer(recipe.model)
     with acc.local_main_process_first():  # builtin assets and data caches are built once per node

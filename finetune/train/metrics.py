@@ -1,4 +1,5 @@
-"""One sink for everything a run reports: progress bar, stdout lines, metrics.jsonl (rank 0 only)."""
+"""One sink for everything a run reports: progress bar, stdout lines, metrics.jsonl and the trackers of
+output.report_to (rank 0 only)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,9 @@ from finetune.util.redact import redact
 
 
 class Metrics:
-    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress_bar: bool):
+    def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress_bar: bool, trackers=None):
         self.main = is_main()
+        self.trackers = trackers  # train.trackers.Trackers: the same records, at the same steps
         self.path = Path(run_dir) / "metrics.jsonl"
         self.bar = None
         if self.main:
@@ -41,6 +43,8 @@ class Metrics:
                 f.write(redact(json.dumps(record)) + "\n")
         except OSError as e:
             raise explain(e, "writing metrics", self.path) from e
+        if self.trackers is not None:
+            self.trackers.log(step, record)
         line = " ".join(f"{k}={_fmt(v)}" for k, v in record.items())
         if self.bar is not None:
             self.bar.write(line)
@@ -50,6 +54,8 @@ class Metrics:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+        if self.trackers is not None:
+            self.trackers.finish()
 
 
 def trim(path: Path, start_step: int):

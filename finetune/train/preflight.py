@@ -18,6 +18,7 @@ from finetune.plan import estimate as E
 from finetune.plan.disk import output_problems
 from finetune.plan.launcher import launcher_problems
 from finetune.recipe import Recipe, contract_problems
+from finetune.train.trackers import tracker_problems
 from finetune.util.errors import Problem
 from finetune.util.units import fmt
 
@@ -232,6 +233,7 @@ def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = 
     found, arch = model_problems(recipe)
     out += found
     out += code_problems(recipe)
+    out += tracker_problems(recipe.output.report_to)
     out += environment_problems(recipe, env, launched)
     if launched and gpus is None and env.get("WORLD_SIZE"):
         gpus = int(env["WORLD_SIZE"])
