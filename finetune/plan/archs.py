@@ -29,6 +29,42 @@ QK_NORM = {"qwen3", "qwen3_moe", "gemma3", "gemma3_text"}
 FOUR_NORMS = {"gemma2", "gemma3", "gemma3_text"}
 
 
+# How a hub checkpoint stores the experts that transformers 5 fuses into 3-D parameters: per expert, one
+# 2-D weight per projection, under the layer's `<prefix>.<e>.` (transformers' conversion_mapping.py
+# stacks them at load time; the streaming loader and the merge do the same, tensor by tensor).
+# model_type -> (the fused module path, the checkpoint's, {fused parameter: the projections stacked in it,
+# concatenated along its rows in this order}); `renames`: other keys the checkpoint spells differently.
+EXPERT_LAYOUTS = {
+    "mixtral": ("mlp.experts", "block_sparse_moe.experts", {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}),
+    "qwen3_moe": ("mlp.experts", "mlp.experts", {"gate_up_proj": ("gate_proj", "up_proj"),
+                                                 "down_proj": ("down_proj",)}),
+}
+EXPERT_RENAMES = {"mixtral": (("mlp.gate.weight", "block_sparse_moe.gate.weight"),)}
+
+
+def per_expert_keys(name: str, model_type: str, experts: int) -> list[list[str]] | None:
+    """The checkpoint keys a fused expert parameter `name` is stacked from: one list per expert, its parts
+    in row order (Mixtral's `...mlp.experts.gate_up_proj` -> [[...block_sparse_moe.experts.0.w1.weight,
+    ...experts.0.w3.weight], ...]). None when `name` is no fused expert parameter of this family."""
+    layout = EXPERT_LAYOUTS.get(model_type)
+    if layout is None:
+        return None
+    fused, stored, params = layout
+    module, _, param = name.rpartition(".")
+    if not module.endswith(fused) or param not in params:
+        return None
+    prefix = module[: len(module) - len(fused)] + stored
+    return [[f"{prefix}.{e}.{part}.weight" for part in params[param]] for e in range(experts)]
+
+
+def renamed_key(name: str, model_type: str) -> str | None:
+    """The checkpoint's spelling of a non-expert parameter the model names differently (Mixtral's router)."""
+    for ours, theirs in EXPERT_RENAMES.get(model_type, ()):
+        if name.endswith(ours):
+            return name[: len(name) - len(ours)] + theirs
+    return None
+
+
 @dataclass(frozen=True)
 class Linear:
     name: str

@@ -42,6 +42,8 @@ def tag_parameters(model, ckpt: Checkpoint) -> list[tuple[torch.nn.Module, str]]
     the checkpoint lacks is a RecipeError naming it (tied parameters are set once, through their owner)."""
     import bitsandbytes as bnb
 
+    cfg = model.config
+    mt, experts = cfg.model_type, getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", 0) or 0
     out, seen, missing = [], set(), []
     for mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
@@ -49,7 +51,7 @@ def tag_parameters(model, ckpt: Checkpoint) -> list[tuple[torch.nn.Module, str]]
                 continue
             seen.add(id(p))
             key = f"{mname}.{pname}" if mname else pname
-            if key not in ckpt.where:
+            if not ckpt.link(key, mt, experts):
                 missing.append(key)
                 continue
             module.__dict__.setdefault("_finetune_keys", {})[pname] = key

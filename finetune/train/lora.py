@@ -29,6 +29,25 @@ def target_parameters(spec: LoraSpec, model) -> list[str]:
     return [t if "." in t else f"experts.{t}" for t in spec.target_parameters]
 
 
+def linear_names(model) -> list[str]:
+    """Leaf names of the model's linear layers (4-bit or not) but the output head: what `all-linear` means."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and m is not head}
+    return sorted(names)
+
+
+def target_modules(spec: LoraSpec, model) -> object:
+    """lora.target_modules for peft. On a model with fused MoE experts, `all-linear` is spelled out: peft
+    0.21 under transformers 5 otherwise rewrites an `all-linear` config for Mixtral and Qwen3-MoE as the
+    transformers 4 model had it (peft.utils.transformers_weight_conversion), adding the router
+    (`gate.weight`) and both expert parameters at double rank, whatever target_parameters says. The
+    router must stay frozen and lora.target_parameters decides the experts."""
+    if spec.target_modules == "all-linear" and model is not None and expert_parameters(model):
+        return linear_names(model)
+    return spec.target_modules
+
+
 def peft_config(spec: LoraSpec, model=None):
     from peft import LoraConfig
 
@@ -37,7 +56,7 @@ def peft_config(spec: LoraSpec, model=None):
         r=spec.r,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
-        target_modules=spec.target_modules,
+        target_modules=target_modules(spec, model),
         # MoE experts are 3-D parameters, not Linear modules: peft's ParamWrapper adapts them (the
         # router is a parameter too, and stays frozen in the model dtype: it is never targeted).
         target_parameters=params or None,
