@@ -84,7 +84,7 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
             module._parameters[pname] = materialize(stream, module, pname)
             release_freed_memory()
         else:
-            module._parameters[pname] = placeholder(module, pname, (0,), "cpu")
+            module._parameters[pname] = cpu_placeholder(module, pname)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     if quantizer is not None:
@@ -103,8 +103,19 @@ def before_wrap(model) -> None:
     """FSDP: placeholders -> meta tensors of the parameter's full shape, which FSDP shards without memory."""
     for module, pname in _tagged(model):
         p = module._parameters[pname]
-        if p.numel() == 0 and not p.is_meta:
+        if not p.is_meta and (p.numel() == 0 or not any(p.stride())):
             module._parameters[pname] = placeholder(module, pname, full_shape(module, pname), "meta")
+
+
+def cpu_placeholder(module, pname: str) -> torch.nn.Parameter:
+    """The parameter until FSDP shards it: zero-size, except a fused 3-D MoE expert parameter, which peft's
+    ParamWrapper sizes its adapters from (E x in x out): a one-element tensor expanded to the full shape,
+    which has that shape and holds no memory."""
+    full = module._finetune_shapes[pname]
+    if len(full) == 3 and not hasattr(module, "_finetune_q"):
+        data = torch.empty((1, 1, 1), dtype=module._finetune_dtypes[pname]).expand(full)
+        return torch.nn.Parameter(data, requires_grad=False)
+    return placeholder(module, pname, (0,), "cpu")
 
 
 def placeholder(module, pname: str, shape: tuple, device: str) -> torch.nn.Parameter:

@@ -98,10 +98,12 @@ class Checkpoint:
         if sources and all(k in self.where for parts in sources for k in parts):
             self.stacked[key] = sources
             return True
-        alt = renamed_key(key, model_type)
-        if alt in self.where:
-            self.renamed[key] = alt
-            return True
+        # a multimodal checkpoint's text decoder (Gemma 3): transformers 4's and 5's spellings
+        for alt in (renamed_key(key, model_type), "language_model." + key,
+                    key.replace("model.", "model.language_model.", 1)):
+            if alt in self.where:
+                self.renamed[key] = alt
+                return True
         return False
 
     def read(self, key: str) -> torch.Tensor:

@@ -39,6 +39,7 @@ def _tensor_names(cfg: dict) -> tuple[list[tuple[str, tuple, bool]], object]:
     config = AutoConfig.for_model(**cfg)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
+    model.tie_weights()  # on meta the head is not tied yet; a tied checkpoint holds the embedding alone
     out, seen = [], set()
     for mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):

@@ -13,7 +13,7 @@ from finetune.util.builtin import cache_root
 from finetune.util.errors import RecipeError
 
 PREFIX = "synthetic:"
-VERSION = "v2"  # bump when the builder changes
+VERSION = "v3"  # bump when the builder changes
 # option -> config.json key
 OPTIONS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "intermediate": "intermediate_size",
            "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "vocab": "vocab_size",

@@ -121,3 +121,34 @@ def test_families_train_and_resume_under_fsdp2(tmp_path):
         saved = load_file(run_dir / "adapter" / "adapter_model.safetensors")
         loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
         assert len(saved) == len(loaded) and saved
+
+
+def test_gemma3_text_decoder_loads_from_an_image_text_checkpoint(tmp_path):
+    """Gemma 3 4B-27B ship as image-text checkpoints (`language_model.model.*` keys, a `gemma3` config
+    with a text_config): the loader builds the text decoder alone and finds its tensors there."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from finetune.recipe import ModelSpec, QuantizationSpec
+    from finetune.train.model import load_model
+    from finetune.train.synthetic import synthetic_dir
+
+    text_dir = synthetic_dir(model_name("gemma3"))
+    text_cfg = json.loads((text_dir / "config.json").read_text())
+    weights = {}
+    for f in text_dir.glob("*.safetensors"):
+        weights.update({"language_model." + k: v for k, v in load_file(f).items()})
+    mm = tmp_path / "gemma3-mm"
+    mm.mkdir()
+    save_file(weights, str(mm / "model.safetensors"), metadata={"format": "pt"})
+    (mm / "config.json").write_text(json.dumps({"model_type": "gemma3", "architectures": [
+        "Gemma3ForConditionalGeneration"], "text_config": text_cfg, "tie_word_embeddings": True}))
+    for f in text_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.suffix == ".jinja":
+            shutil.copy(f, mm / f.name)
+    model = load_model(ModelSpec(name=str(mm), dtype="bfloat16"), QuantizationSpec(mode="none"), quiet=True)
+    assert type(model).__name__ == "Gemma3ForCausalLM"
+    emb = weights["language_model.model.embed_tokens.weight"]
+    assert torch.equal(model.get_input_embeddings().weight, emb)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
