@@ -26,6 +26,7 @@ def skeleton(path: Path, config, dtype: torch.dtype, bnb, prequantized: bool, at
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
                                                  trust_remote_code=trust)
+    retie(model)  # on meta the head is not tied yet: tie it now, so it is tagged and loaded once (as stored)
     quantizer = None
     if bnb is not None:
         from transformers.quantizers import AutoHfQuantizer
@@ -100,11 +101,20 @@ def _tagged(model):
 
 
 def before_wrap(model) -> None:
-    """FSDP: placeholders -> meta tensors of the parameter's full shape, which FSDP shards without memory."""
+    """FSDP: placeholders -> meta tensors of the parameter's full shape, which FSDP shards without memory.
+    A tied head is tied again to the new embedding tensor, so FSDP sees (and shards) one parameter."""
     for module, pname in _tagged(model):
         p = module._parameters[pname]
         if not p.is_meta and (p.numel() == 0 or not any(p.stride())):
             module._parameters[pname] = placeholder(module, pname, full_shape(module, pname), "meta")
+    retie(model)
+
+
+def retie(model) -> None:
+    """Point a tied output head (Llama 3.2, Gemma 3) at the input embedding's current parameter."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(hf.config, "tie_word_embeddings", False) and hasattr(hf, "tie_weights"):
+        hf.tie_weights()
 
 
 def cpu_placeholder(module, pname: str) -> torch.nn.Parameter:
