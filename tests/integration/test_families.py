@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,13 +84,13 @@ def _check_experts(run_dir, adapter, base_dir, out):
     the merge moved every expert of them."""
     from finetune.merge.source import base_tensors
 
-    recipe = (run_dir / "adapter" / "adapter_config.json").read_text()
-    assert '"experts.gate_up_proj"' in recipe and "gate.weight" not in recipe
+    config = (run_dir / "adapter" / "adapter_config.json").read_text()
+    assert '"experts.gate_up_proj"' in config and "gate.weight" not in config
     assert not any(".mlp.gate." in k for k in adapter)  # the router stays frozen: no adapter on it
     wrapped = [k for k in adapter if ".experts." in k and k.endswith("lora_B.weight")]
     assert len(wrapped) == 2 * 2  # 2 layers x (gate_up_proj, down_proj)
     base = {}
-    for t in base_tensors(__import__("pathlib").Path(base_dir)):
+    for t in base_tensors(Path(base_dir)):
         if t.name.endswith(("experts.gate_up_proj", "experts.down_proj")):
             base.update({t.name: load_file(os.path.join(base_dir, t.source))[t.name]})
     merged = {}
