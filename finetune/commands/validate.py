@@ -29,6 +29,19 @@ def run(a) -> int:
     errors = sum(p.level == "error" for p in problems)
     if problems:
         print(render(problems))
+    print_adapted(r)
     warnings = len(problems) - errors
     print(f"{a.recipe}: {'FAILED' if errors else 'ok'} ({errors} error(s), {warnings} warning(s))")
     return 2 if errors else 0
+
+
+def print_adapted(r) -> None:
+    """The share of the base's weights that carries an adapter (nothing when the shapes are unknown)."""
+    from finetune.plan import estimate
+    from finetune.plan.archs import resolve
+
+    try:
+        arch, _ = resolve(r.model.name)
+    except (ValueError, OSError):
+        return
+    print(estimate.describe_adapted(arch, estimate.from_recipe(r)))

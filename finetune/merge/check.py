@@ -144,9 +144,13 @@ def _layer_check(src, out_dir: Path, target: str, n_layers: int = 8) -> dict:
     from safetensors import safe_open
 
     from finetune.merge.plan import pair_keys
+    from finetune.merge.source import base_tensors
 
     ad = safe_open(str(src.adapter_dir / "adapter_model.safetensors"), framework="pt")
-    pairs = list(pair_keys(ad.keys()).items())
+    # Linear adapters only: fused MoE expert adapters (no `<module>.weight` in the base) are covered by the
+    # full logits check; a big MoE model's layer check samples its attention and dense layers.
+    names = {t.name for t in base_tensors(src.base_dir)}
+    pairs = [(m, ab) for m, ab in pair_keys(ad.keys()).items() if f"{m}.weight" in names]
     picked = [pairs[round(i * (len(pairs) - 1) / max(n_layers - 1, 1))] for i in range(min(n_layers, len(pairs)))]
     base_weight, merged_weight = _base_reader(src, target), _merged_reader(out_dir)
     gen = torch.Generator().manual_seed(0)

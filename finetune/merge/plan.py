@@ -26,7 +26,8 @@ _BENIGN = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model
            "inference_mode", "r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout",
            "use_rslora", "rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern",
            "megatron_core", "runtime_config", "qalora_group_size", "init_lora_weights", "loftq_config",
-           "eva_config", "corda_config", "lora_ga_config", "bias", "ensure_weight_tying", "fan_in_fan_out"}
+           "eva_config", "corda_config", "lora_ga_config", "bias", "ensure_weight_tying", "fan_in_fan_out",
+           "target_parameters"}  # LoRA on fused MoE expert parameters: folded by merge/experts.py
 # These initialisations rewrite the *base* weights at init (residual = W - B0 A0), so the saved adapter
 # only makes sense on top of a base we do not have. (True/False/gaussian/eva/orthogonal leave the base
 # alone: their initial B @ A is zero.)
@@ -34,7 +35,7 @@ _BASE_CHANGING_INIT = ("pissa", "olora", "corda", "loftq", "lora-ga", "lora_ga")
 _WHY = {"use_dora": "DoRA rescales each weight by a learned magnitude",
         "lora_bias": "LoRA bias terms", "modules_to_save": "fully trained extra modules",
         "trainable_token_indices": "trained token embeddings", "layer_replication": "replicated layers",
-        "target_parameters": "LoRA on raw parameters (e.g. MoE experts)", "use_qalora": "QA-LoRA",
+        "use_qalora": "QA-LoRA",
         "megatron_config": "Megatron parallel layers", "alora_invocation_tokens": "activated LoRA"}
 
 

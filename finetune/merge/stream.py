@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.merge import experts
 from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, merged_tensor, pair_keys, plan_shards, scaling,
                                  shard_names)
 from finetune.merge.output import apply_umask, clean_stale, output_dir, temp_dir, up_to_date, write_error
@@ -85,7 +86,12 @@ def _adapter_pairs(src: Source, infos: list[TensorInfo]):
     if not adapter.is_file():
         raise RecipeError([f"{adapter} not found (merge reads safetensors adapters only)"], "merge")
     ad = safe_open(str(adapter), framework="pt")  # small; read one A/B pair at a time anyway
-    by_weight = {f"{mod}.weight": ab for mod, ab in pair_keys(ad.keys()).items()}
+    pairs, shapes = pair_keys(ad.keys()), {t.name: t.shape for t in infos}
+    by_weight = {f"{mod}.weight": ab for mod, ab in pairs.items() if f"{mod}.weight" in shapes}
+    if len(by_weight) < len(pairs):  # LoRA on fused MoE expert parameters (merge/experts.py)
+        base_cfg = json.loads((src.base_dir / "config.json").read_text())
+        n = base_cfg.get("num_local_experts") or base_cfg.get("num_experts") or 0
+        by_weight.update(experts.resolve(pairs, src.adapter_config, shapes, base_cfg.get("model_type", ""), n))
     missing = sorted(set(by_weight) - {t.name for t in infos})
     if missing:
         raise RecipeError([f"the adapter targets {len(missing)} weights the base does not have, e.g. "
@@ -100,6 +106,8 @@ class _Merger:
     def __init__(self, src: Source, infos: list[TensorInfo], target: str, out_dtype: torch.dtype):
         self.src, self.out_dtype = src, out_dtype
         self.adapter, self.by_weight = _adapter_pairs(src, infos)
+        base_cfg = json.loads((src.base_dir / "config.json").read_text())
+        self.n_experts = base_cfg.get("num_local_experts") or base_cfg.get("num_experts") or 0
         self.quant, self.four_bit = None, set()
         if target == "nf4":
             self.quant, self.four_bit = quant_spec(src.recipe), four_bit_weights(src.base_dir)
@@ -111,16 +119,22 @@ class _Merger:
 
         if self.handle_name != t.source:  # input shards are visited in order: one open at a time
             self.handle, self.handle_name = safe_open(str(self.src.base_dir / t.source), framework="pt"), t.source
-        delta = self._delta(t.name)
+        delta = self._delta(t)
         quant = self.quant
         return merged_tensor(self.handle.get_tensor(t.name), self.out_dtype, delta,
                              quant=quant if t.name in self.four_bit else None,
                              cast_to=quant.dtype if quant is not None else None)
 
-    def _delta(self, name: str) -> torch.Tensor | None:
-        if name not in self.by_weight:
+    def _delta(self, t: TensorInfo) -> torch.Tensor | None:
+        name, how = t.name, self.by_weight.get(t.name)
+        if how is None:
             return None
-        ka, kb = self.by_weight[name]
+        if isinstance(how, experts.ExpertUpdate):
+            a, b = self.adapter.get_tensor(how.keys[0]), self.adapter.get_tensor(how.keys[1])
+            n = t.shape[0] if how.expert is None else self.n_experts
+            self.scales[name] = scaling(self.src.adapter_config, how.fused, experts.rank(a, n))
+            return experts.expert_delta(a, b, n, self.scales[name], how)
+        ka, kb = how
         a, b = self.adapter.get_tensor(ka), self.adapter.get_tensor(kb)
         self.scales[name] = scaling(self.src.adapter_config, name.removesuffix(".weight"), a.shape[0])
         return lora_delta(a, b, self.scales[name])

@@ -25,6 +25,15 @@ def targeted(arch: Arch, targets) -> list:
     return [x for x in arch.linears() if x.name in wanted]
 
 
+def targeted_experts(arch: Arch, s) -> list:
+    """The fused expert parameters that carry adapters (lora.target_parameters)."""
+    wanted = getattr(s, "lora_expert_targets", "auto")
+    params = arch.expert_params()
+    if wanted == "auto":
+        return params
+    return [x for x in params if x.name in set(wanted) or x.name.split(".")[-1] in set(wanted)]
+
+
 def lora_linear_saved(tokens: int, d_in: int, d_out: int, r: int, s) -> int:
     """Saved for backward by one LoRA-wrapped 4-bit linear. The frozen 4-bit matmul keeps only the weight;
     the adapter path keeps the dropout mask, the compute-dtype input of A, the input of B and the
@@ -50,6 +59,20 @@ def shared_lora_inputs(arch: Arch, s, t: int, names: set) -> int:
         return 0
     groups = [{"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}]
     return sum(max(0, len(g & names) - 1) for g in groups) * t * arch.hidden * cb
+
+
+def experts_saved_bytes(arch: Arch, s, t: int) -> int:
+    """MoE experts: each routed token's input to each expert matmul, and, for an adapted fused parameter,
+    the adapted weight W + scale * B @ A that peft's parametrization builds (model dtype, all experts),
+    which every expert's matmul keeps for backward."""
+    cb, mb = MP_BYTES[s.mixed_precision], DTYPE_BYTES[s.model_dtype]
+    adapted = {x.name for x in targeted_experts(arch, s)}
+    total = 0
+    for x in arch.expert_params():
+        total += t * arch.experts_per_tok * x.d_in * cb
+        if x.name in adapted:
+            total += x.d_in * x.d_out * x.count * mb
+    return total
 
 
 def lean(arch: Arch, s) -> bool:
@@ -79,6 +102,7 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
             n_tok = t * arch.experts_per_tok // x.count if x.count > 1 else t  # routed tokens per expert
             total += lora_linear_saved(n_tok, x.d_in, x.d_out, s.lora_r, s) * x.count
     total -= shared_lora_inputs(arch, s, t, names)
+    total += experts_saved_bytes(arch, s, t)
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     if s.attn == "sdpa" and uses_cpu_math_kernel(s.device, s.mixed_precision, s.seq_len):
         # SDPA's math kernel (finetune.plan.attention) upcasts q, k and v (repeated to all heads) to fp32

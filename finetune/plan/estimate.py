@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from finetune.plan import load
-from finetune.plan.activations import DTYPE_BYTES, MP_BYTES, activation_terms, targeted
+from finetune.plan.activations import DTYPE_BYTES, MP_BYTES, activation_terms, targeted, targeted_experts
 from finetune.plan.archs import Arch, resolve
 from finetune.plan.pinned import fsdp1_start_extra_bytes, fsdp_offload_bytes
 from finetune.util.units import GiB, fmt
@@ -38,6 +38,7 @@ class Setup:
     micro_batch: int = 1
     lora_r: int = 16
     lora_targets: object = "all-linear"
+    lora_expert_targets: object = "auto"  # lora.target_parameters (MoE experts)
     lora_dtype: str = "float32"
     lora_dropout: float = 0.05
     quant: str = "nf4"
@@ -77,7 +78,8 @@ def from_recipe(recipe) -> Setup:
     procs = d.num_processes or 1
     return Setup(model=m.name, gpus=procs, machines=d.num_machines,
                  seq_len=recipe.data.max_seq_len, micro_batch=t.micro_batch_size, lora_r=lo.r,
-                 lora_targets=lo.target_modules, lora_dtype=lo.dtype, lora_dropout=lo.dropout, quant=q.mode,
+                 lora_targets=lo.target_modules, lora_expert_targets=lo.target_parameters, lora_dtype=lo.dtype,
+                 lora_dropout=lo.dropout, quant=q.mode,
                  double_quant=q.double_quant, quant_storage=recipe.effective_quant_storage(),
                  model_dtype=m.dtype, mixed_precision=t.mixed_precision, optimizer=t.optimizer, strategy=d.strategy,
                  fsdp_version=f.version, sharding=f.sharding_strategy, reshard_after_forward=f.reshard_after_forward,
@@ -112,6 +114,8 @@ def lora_tensor_sizes(arch: Arch, s: Setup) -> list[int]:
     sizes = []
     for x in targeted(arch, s.lora_targets):
         sizes += [s.lora_r * x.d_in, x.d_out * s.lora_r] * x.count
+    for x in targeted_experts(arch, s):  # peft's ParamWrapper: one A [r*E, in] and one B [out, r*E]
+        sizes += [s.lora_r * x.count * x.d_in, x.d_out * s.lora_r * x.count]
     return sizes * arch.layers
 
 
@@ -128,8 +132,40 @@ def weight_terms(arch: Arch, s: Setup) -> dict[str, int]:
     else:
         base, consts = sum(lin) * mb, 0
     emb = arch.vocab * arch.hidden * (1 if arch.tied else 2)
-    return {"base_4bit": base, "quant_constants": consts, "unquantized": (emb + arch.small_params()) * mb,
+    # MoE experts (3-D parameters) stay in the model dtype: bitsandbytes quantizes only nn.Linear
+    experts = sum(x.d_in * x.d_out * x.count for x in arch.expert_params()) * arch.layers * mb
+    return {"base_4bit": base, "quant_constants": consts, "experts": experts,
+            "unquantized": (emb + arch.small_params()) * mb,
             "lora": sum(lora_tensor_sizes(arch, s)) * DTYPE_BYTES[s.lora_dtype]}
+
+
+def adapted_share(arch: Arch, s: Setup) -> dict:
+    """Which share of the base's weight elements carries an adapter (the output head and embeddings count
+    as base weights that carry none), so an MoE run whose experts stay frozen shows it."""
+    linear = sum(x.d_in * x.d_out * x.count for x in targeted(arch, s.lora_targets)) * arch.layers
+    experts = sum(x.d_in * x.d_out * x.count for x in targeted_experts(arch, s)) * arch.layers
+    all_experts = sum(x.d_in * x.d_out * x.count for x in arch.expert_params()) * arch.layers
+    total = arch.params()
+    return {"adapted": linear + experts, "total": total, "pct": 100 * (linear + experts) / max(total, 1),
+            "expert_adapted": experts, "expert_total": all_experts}
+
+
+def describe_adapted(arch: Arch, s: Setup) -> str:
+    """One line for `validate`: the adapted share, and where the MoE experts stand."""
+    a = adapted_share(arch, s)
+    line = (f"adapters: LoRA on {a['adapted'] / 1e9:.3g}B of {a['total'] / 1e9:.3g}B base weights "
+            f"({a['pct']:.1f}%)")
+    if a["expert_total"]:
+        names = ", ".join(x.name for x in targeted_experts(arch, s)) or "none"
+        line += (f"; MoE experts {100 * a['expert_adapted'] / a['expert_total']:.0f}% adapted ({names}), held in "
+                 f"{s.model_dtype}, not 4-bit: bitsandbytes quantizes nn.Linear only, and transformers 5 fuses "
+                 "the experts into 3-D parameters")
+    return line
+
+
+def layer_weight_bytes(w: dict) -> int:
+    """Whole-model bytes of the frozen decoder-layer weights: the 4-bit linears and any MoE experts."""
+    return w["base_4bit"] + w.get("experts", 0)
 
 
 def optimizer_terms(arch: Arch, s: Setup, shard: int) -> dict[str, int]:
@@ -208,7 +244,7 @@ def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
     (embeddings, final norm, lm_head), which stays gathered from forward through backward."""
     if s.strategy != "fsdp" or shard == 1:
         return 0
-    per_layer = (w["base_4bit"] + w["lora"]) // arch.layers
+    per_layer = (layer_weight_bytes(w) + w["lora"]) // arch.layers
     keep_all = s.reshard_after_forward is False or s.sharding == "SHARD_GRAD_OP"
     layers = arch.layers if keep_all else 2
     grads = 2 * w["lora"] // arch.layers  # unsharded gradients before reduce-scatter
@@ -233,6 +269,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     on_gpu = 0 if s.offload else 1
     bd = p.breakdown
     bd["base_4bit"] = on_gpu * -(-w["base_4bit"] // shard)
+    bd["experts"] = on_gpu * -(-w["experts"] // shard)
     bd["quant_constants"] = w["quant_constants"]  # bnb quant state is not a parameter: every rank holds it all
     bd["unquantized"] = on_gpu * -(-(w["unquantized"] - _embedding_on_cpu(arch, s)) // shard)
     bd["lora"] = on_gpu * -(-w["lora"] // shard)
@@ -292,11 +329,12 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
 def _offload_units(arch: Arch, s: Setup, w: dict) -> tuple[list[int], list[int]]:
     """What fsdp.cpu_offload pins (plan.pinned): the bytes of each wrapped unit (FSDP1 flattens one), and
     of each parameter tensor (FSDP2 shards them one by one)."""
-    per_layer = (w["base_4bit"] + w["lora"]) // arch.layers
+    per_layer = (layer_weight_bytes(w) + w["lora"]) // arch.layers
     units = [per_layer] * arch.layers + [w["unquantized"]]  # decoder layers, then the root
     tensors = [packed_4bit_bytes(x.d_in * x.d_out, s.quant_storage) if s.quant in ("nf4", "fp4")
                else x.d_in * x.d_out * DTYPE_BYTES[s.model_dtype]
                for x in arch.linears() for _ in range(x.count)] * arch.layers
+    tensors += [x.d_in * x.d_out * x.count * DTYPE_BYTES[s.model_dtype] for x in arch.expert_params()] * arch.layers
     tensors += [arch.vocab * arch.hidden * DTYPE_BYTES[s.model_dtype]] * (1 if arch.tied else 2)
     return units, tensors
 

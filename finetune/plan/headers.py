@@ -42,7 +42,7 @@ def plan_block(path: str | Path, text: str | None = None) -> list[str]:
     s = replace(E.from_recipe(r), gpu_memory=size, device=device)
     p = E.build(s)
     bd = p.breakdown
-    weights = bd["base_4bit"] + bd["quant_constants"] + bd["unquantized"]
+    weights = bd["base_4bit"] + bd["quant_constants"] + bd["unquantized"] + bd.get("experts", 0)
     train = bd["lora"] + bd["gradients"] + bd["optimizer_8bit"] + bd["optimizer_32bit"]
     size_txt = "cpu" if device == "cpu" else f"{size / GiB:g}GiB" if size else "?"
     root = path.resolve().parent.parent  # recipes/ sits beside configs/

@@ -28,6 +28,7 @@ CKPT_BYTES = 2  # hub checkpoints store bf16 (or fp16)
 def tensors(arch: Arch) -> list[tuple[int, bool]]:
     """(elements, is a 4-bit target) of every checkpoint tensor of the largest kinds (small norms aside)."""
     lin = [(x.d_in * x.d_out, True) for x in arch.linears() for _ in range(x.count)]
+    lin += [(x.d_in * x.d_out * x.count, False) for x in arch.expert_params()]  # fused 3-D, model dtype
     emb = [(arch.vocab * arch.hidden, False)] * (1 if arch.tied else 2)
     return lin + emb
 
@@ -55,14 +56,14 @@ def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int) -> tuple[int, int]:
 
 def _fsdp1_unit(arch: Arch, w: dict) -> int:
     """Bytes of the largest module FSDP1 wraps: one decoder layer or the root (embeddings and head)."""
-    return max(w["base_4bit"] // arch.layers, w["unquantized"])
+    return max((w["base_4bit"] + w.get("experts", 0)) // arch.layers, w["unquantized"])
 
 
 def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader: bool) -> int:
     """Peak bytes one process holds while loading (on its device: the GPU, or RAM in a CPU run), beyond
     what it held before. `w`: estimate.weight_terms; `shard`: the FSDP shard count (1: whole)."""
     on_device = 0 if s.offload else 1  # FSDP's CPU offload keeps the shards in RAM (machine_bytes)
-    sharded = -(-w["base_4bit"] // shard) + -(-w["unquantized"] // shard) + -(-w["lora"] // shard)
+    sharded = -(-(w["base_4bit"] + w.get("experts", 0)) // shard) + -(-w["unquantized"] // shard) + -(-w["lora"] // shard)
     # Under FSDP the adapters are attached to CPU placeholders, so they reach the device sharded; whole
     # otherwise. The quantization state is whole on every rank.
     final = w["quant_constants"] + on_device * sharded
@@ -88,6 +89,6 @@ def machine_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, process
     quantized = s.quant in ("nf4", "fp4")
     biggest = max(min(n, PIECE) if four_bit and quantized else (-(-n // shard) if per_rank else n)
                   for n, four_bit in tensors(arch)) * CKPT_BYTES  # the reader's host copy of what it reads
-    offloaded = (-(-w["base_4bit"] // shard) + -(-w["unquantized"] // shard)) * procs if s.offload else 0
+    offloaded = (-(-(w["base_4bit"] + w.get("experts", 0)) // shard) + -(-w["unquantized"] // shard)) * procs if s.offload else 0
     adapters = w["lora"] * procs if s.strategy == "fsdp" and shard > 1 else 0  # whole until prepare shards them
     return procs * process_ram + biggest + offloaded + adapters

@@ -94,6 +94,12 @@ class LoraSpec(_Section):
     target_modules: Union[Literal["all-linear"], list[str]] = "all-linear"
     """Which linear layers get adapters: `all-linear` (every linear but the output head) or a list of
     module names such as [q_proj, v_proj]."""
+    target_parameters: Union[Literal["auto"], list[str]] = "auto"
+    """MoE expert weights that get adapters, through peft's `target_parameters`: transformers 5 fuses each
+    layer's experts into 3-D parameters (`experts.gate_up_proj`, `experts.down_proj`) that no
+    `target_modules` entry reaches. `auto`: every fused expert parameter the model has (none on a dense
+    model); a list names them (e.g. [experts.down_proj]); [] leaves the experts frozen. peft adapts such a
+    parameter only without dropout, so an MoE model with adapted experts needs `dropout: 0`."""
     bias: Literal["none", "all", "lora_only"] = "none"
     """Which biases train."""
     dtype: Literal["float32", "bfloat16"] = "float32"

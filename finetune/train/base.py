@@ -26,6 +26,7 @@ def skeleton(path: Path, config, dtype: torch.dtype, bnb, prequantized: bool, at
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn,
                                                  trust_remote_code=trust)
+    retie(model)  # on meta the head is not tied yet: tie it now, so it is tagged and loaded once (as stored)
     quantizer = None
     if bnb is not None:
         from transformers.quantizers import AutoHfQuantizer
@@ -42,6 +43,8 @@ def tag_parameters(model, ckpt: Checkpoint) -> list[tuple[torch.nn.Module, str]]
     the checkpoint lacks is a RecipeError naming it (tied parameters are set once, through their owner)."""
     import bitsandbytes as bnb
 
+    cfg = model.config
+    mt, experts = cfg.model_type, getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", 0) or 0
     out, seen, missing = [], set(), []
     for mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
@@ -49,7 +52,7 @@ def tag_parameters(model, ckpt: Checkpoint) -> list[tuple[torch.nn.Module, str]]
                 continue
             seen.add(id(p))
             key = f"{mname}.{pname}" if mname else pname
-            if key not in ckpt.where:
+            if not ckpt.link(key, mt, experts):
                 missing.append(key)
                 continue
             module.__dict__.setdefault("_finetune_keys", {})[pname] = key
@@ -82,7 +85,7 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
             module._parameters[pname] = materialize(stream, module, pname)
             release_freed_memory()
         else:
-            module._parameters[pname] = placeholder(module, pname, (0,), "cpu")
+            module._parameters[pname] = cpu_placeholder(module, pname)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     if quantizer is not None:
@@ -98,11 +101,31 @@ def _tagged(model):
 
 
 def before_wrap(model) -> None:
-    """FSDP: placeholders -> meta tensors of the parameter's full shape, which FSDP shards without memory."""
+    """FSDP: placeholders -> meta tensors of the parameter's full shape, which FSDP shards without memory.
+    A tied head is tied again to the new embedding tensor, so FSDP sees (and shards) one parameter."""
     for module, pname in _tagged(model):
         p = module._parameters[pname]
-        if p.numel() == 0 and not p.is_meta:
+        if not p.is_meta and (p.numel() == 0 or not any(p.stride())):
             module._parameters[pname] = placeholder(module, pname, full_shape(module, pname), "meta")
+    retie(model)
+
+
+def retie(model) -> None:
+    """Point a tied output head (Llama 3.2, Gemma 3) at the input embedding's current parameter."""
+    hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(hf.config, "tie_word_embeddings", False) and hasattr(hf, "tie_weights"):
+        hf.tie_weights()
+
+
+def cpu_placeholder(module, pname: str) -> torch.nn.Parameter:
+    """The parameter until FSDP shards it: zero-size, except a fused 3-D MoE expert parameter, which peft's
+    ParamWrapper sizes its adapters from (E x in x out): a one-element tensor expanded to the full shape,
+    which has that shape and holds no memory."""
+    full = module._finetune_shapes[pname]
+    if len(full) == 3 and not hasattr(module, "_finetune_q"):
+        data = torch.empty((1, 1, 1), dtype=module._finetune_dtypes[pname]).expand(full)
+        return torch.nn.Parameter(data, requires_grad=False)
+    return placeholder(module, pname, (0,), "cpu")
 
 
 def placeholder(module, pname: str, shape: tuple, device: str) -> torch.nn.Parameter:

@@ -84,9 +84,34 @@ class Checkpoint:
                 with safe_open(f, framework="pt") as h:
                     self.where.update({k: f for k in h.keys()})
         self.prequantized = any(_QS_PREFIX in k for k in self.where)
+        self.stacked: dict[str, list[list[str]]] = {}  # fused MoE expert parameter -> its per-expert keys
+        self.renamed: dict[str, str] = {}  # model key -> the checkpoint's spelling
+
+    def link(self, key: str, model_type: str, experts: int) -> bool:
+        """Whether the checkpoint holds the model's parameter `key`: as stored, or (a hub MoE checkpoint
+        under transformers 5) stacked from per-expert weights or under another name (archs.EXPERT_LAYOUTS)."""
+        from finetune.plan.archs import per_expert_keys, renamed_key
+
+        if key in self.where:
+            return True
+        sources = per_expert_keys(key, model_type, experts)
+        if sources and all(k in self.where for parts in sources for k in parts):
+            self.stacked[key] = sources
+            return True
+        # a multimodal checkpoint's text decoder (Gemma 3): transformers 4's and 5's spellings
+        for alt in (renamed_key(key, model_type), "language_model." + key,
+                    key.replace("model.", "model.language_model.", 1)):
+            if alt in self.where:
+                self.renamed[key] = alt
+                return True
+        return False
 
     def read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open
+
+        if key in self.stacked:
+            return self.read_rows(key, 0, len(self.stacked[key]))
+        key = self.renamed.get(key, key)
 
         # A fresh handle per tensor: safetensors maps the whole file, and every page a read touches stays
         # in this process's RSS until the map closes; reading the model through one open handle would end
@@ -95,8 +120,18 @@ class Checkpoint:
             return h.get_tensor(key)
 
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
-        """Rows [start, stop) of tensor `key` (dim 0), read without reading the rest of it."""
+        """Rows [start, stop) of tensor `key` (dim 0), read without reading the rest of it. A stacked expert
+        parameter's rows are experts: each is read from its parts (gate and up concatenated, as
+        transformers' MergeModulelist + Concatenate build it)."""
         from safetensors import safe_open
+
+        if key in self.stacked:
+            parts = self.stacked[key][start:stop]
+            if not parts:  # a rank past the last expert (more ranks than experts): an empty chunk
+                one = torch.cat([self.read(k) for k in self.stacked[key][0]], dim=0)
+                return one.new_empty((0, *one.shape))
+            return torch.stack([torch.cat([self.read(k) for k in expert], dim=0) for expert in parts])
+        key = self.renamed.get(key, key)
 
         with safe_open(self.where[key], framework="pt") as h:
             return h.get_slice(key)[start:stop]

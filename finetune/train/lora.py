@@ -9,14 +9,57 @@ from finetune.recipe import LoraSpec
 from finetune.util.dtypes import torch_dtype
 
 
-def peft_config(spec: LoraSpec):
+def expert_parameters(model) -> list[str]:
+    """Suffixes (`experts.gate_up_proj`, ...) of the fused 3-D MoE expert parameters of `model`: the
+    parameters of a module whose class name ends in `Experts` (transformers 5's MixtralExperts,
+    Qwen3MoeExperts), in model order, each once."""
+    found: list[str] = []
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts"):
+            for pname, p in module.named_parameters(recurse=False):
+                if p.dim() == 3 and f"experts.{pname}" not in found:
+                    found.append(f"experts.{pname}")
+    return found
+
+
+def target_parameters(spec: LoraSpec, model) -> list[str]:
+    """lora.target_parameters resolved against the model: `auto` -> every fused expert parameter."""
+    if spec.target_parameters == "auto":
+        return expert_parameters(model) if model is not None else []
+    return [t if "." in t else f"experts.{t}" for t in spec.target_parameters]
+
+
+def linear_names(model) -> list[str]:
+    """Leaf names of the model's linear layers (4-bit or not) but the output head: what `all-linear` means."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and m is not head}
+    return sorted(names)
+
+
+def target_modules(spec: LoraSpec, model) -> object:
+    """lora.target_modules for peft. On a model with fused MoE experts, `all-linear` is spelled out: peft
+    0.21 under transformers 5 otherwise rewrites an `all-linear` config for Mixtral and Qwen3-MoE as the
+    transformers 4 model had it (peft.utils.transformers_weight_conversion), adding the router
+    (`gate.weight`) and both expert parameters at double rank, whatever target_parameters says. The
+    router must stay frozen and lora.target_parameters decides the experts."""
+    if spec.target_modules == "all-linear" and model is not None and expert_parameters(model):
+        return linear_names(model)
+    return spec.target_modules
+
+
+def peft_config(spec: LoraSpec, model=None):
     from peft import LoraConfig
 
+    params = target_parameters(spec, model)
     return LoraConfig(
         r=spec.r,
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
-        target_modules=spec.target_modules,
+        target_modules=target_modules(spec, model),
+        # MoE experts are 3-D parameters, not Linear modules: peft's ParamWrapper adapts them (the
+        # router is a parameter too, and stays frozen in the model dtype: it is never targeted).
+        target_parameters=params or None,
         bias=spec.bias,
         task_type="CAUSAL_LM",
     )
@@ -31,7 +74,7 @@ def apply_lora(model, spec: LoraSpec, seed: int):
         # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias, and transformers 5 then
         # prints a FutureWarning on every run that no user can act on; the value read is the same.
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        model = get_peft_model(model, peft_config(spec), autocast_adapter_dtype=False)
+        model = get_peft_model(model, peft_config(spec, model), autocast_adapter_dtype=False)
     # Master copies of the trainable weights stay in the adapter dtype (fp32 default): the optimizer updates
     # them exactly while autocast does the matmuls in bf16.
     dtype = torch_dtype(spec.dtype)
@@ -46,3 +89,4 @@ def trainable_report(model) -> dict:
     total = sum(p.numel() for p in model.parameters())
     return {"trainable_params": trainable, "all_params": total,
             "trainable_pct": round(100 * trainable / max(total, 1), 3)}
+

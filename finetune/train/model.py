@@ -130,7 +130,7 @@ def load_model(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: 
 
         from finetune.train.base import load_base
 
-        config = AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
+        config = text_decoder(AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code), quiet)
         model = load_base(Path(path), config, torch_dtype(spec.dtype), bnb_config(quant, spec.dtype), placement,
                           attn, spec.trust_remote_code)
     model.config.use_cache = False  # training never uses the KV cache; it would also break packing masks
@@ -143,6 +143,22 @@ def load_model(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: 
     # later training steps and every FSDP gather (see disable_cpu_weight_repacking); keep the trained layout.
     disable_cpu_weight_repacking(model)
     return model
+
+
+# Multimodal checkpoints whose text decoder is trained alone (Gemma 3 4B-27B): AutoModelForCausalLM would
+# build the whole image-text model; the decoder's own config builds Gemma3ForCausalLM, and the loader finds
+# its tensors under the checkpoint's language-model prefix (load.Checkpoint.link).
+TEXT_DECODERS = {"gemma3"}
+
+
+def text_decoder(config, quiet: bool = False):
+    """The config to build: a multimodal checkpoint's text_config for the families in TEXT_DECODERS."""
+    if config.model_type in TEXT_DECODERS and getattr(config, "text_config", None) is not None:
+        if not quiet:
+            log.info(f"model: training the text decoder ({config.text_config.model_type}) of a "
+                     f"{config.model_type} image-text checkpoint; the vision tower is not loaded")
+        return config.text_config
+    return config
 
 
 def local_checkpoint(path: str, spec: ModelSpec) -> str:

@@ -79,7 +79,28 @@ def model_problems(r: Recipe) -> tuple[list[Problem], object]:
             out.append(Problem(level="error", path="lora.target_modules",
                                message=f"{', '.join(missing)} not in a {arch.model_type} layer (it has "
                                        f"{', '.join(sorted(names))})", fix="use those names, or all-linear"))
-    return out, arch
+    return out + expert_problems(r, arch), arch
+
+
+def expert_problems(r: Recipe, arch) -> list[Problem]:
+    """lora.target_parameters against the model's fused MoE experts, and peft's no-dropout rule for them."""
+    wanted, have = r.lora.target_parameters, [x.name for x in arch.expert_params()]
+    if wanted == "auto":
+        adapted = have
+    else:
+        adapted = [t for t in wanted if t in have or f"experts.{t}" in have]
+        unknown = [t for t in wanted if t not in adapted]
+        if unknown:
+            return [Problem(level="error", path="lora.target_parameters",
+                            message=f"{', '.join(unknown)} not a fused expert parameter of {arch.model_type} "
+                                    f"(it has {', '.join(have) or 'none: a dense model'})",
+                            fix="use those names, auto, or []")]
+    if adapted and r.lora.dropout > 0:
+        return [Problem(level="error", path="lora.dropout",
+                        message=f"{r.lora.dropout} with adapted MoE experts: peft's ParamWrapper (LoRA on a fused "
+                                "expert parameter) cannot apply dropout", fix="set lora.dropout: 0, or "
+                                "lora.target_parameters: [] to leave the experts frozen")]
+    return []
 
 
 def code_problems(r: Recipe) -> list[Problem]:

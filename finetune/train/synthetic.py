@@ -39,9 +39,13 @@ def _tensor_names(cfg: dict) -> tuple[list[tuple[str, tuple, bool]], object]:
     config = AutoConfig.for_model(**cfg)
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(config)
-    out = []
+    model.tie_weights()  # on meta the head is not tied yet; a tied checkpoint holds the embedding alone
+    out, seen = [], set()
     for mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:  # a tied head is the embedding: stored once, as a tied checkpoint stores it
+                continue
+            seen.add(id(p))
             norm = "norm" in type(module).__name__.lower()
             out.append((f"{mname}.{pname}", tuple(p.shape), norm))
     return out, config

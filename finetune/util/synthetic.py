@@ -13,11 +13,14 @@ from finetune.util.builtin import cache_root
 from finetune.util.errors import RecipeError
 
 PREFIX = "synthetic:"
-VERSION = "v1"  # bump when the builder changes
+VERSION = "v3"  # bump when the builder changes
 # option -> config.json key
 OPTIONS = {"layers": "num_hidden_layers", "hidden": "hidden_size", "intermediate": "intermediate_size",
            "heads": "num_attention_heads", "kv_heads": "num_key_value_heads", "vocab": "vocab_size",
-           "head_dim": "head_dim"}
+           "head_dim": "head_dim", "experts": "num_experts", "experts_per_tok": "num_experts_per_tok",
+           "moe_intermediate": "moe_intermediate_size"}
+# The experts count's key differs between families: Mixtral's num_local_experts, Qwen3-MoE's num_experts.
+_EXPERT_KEYS = ("num_local_experts", "num_experts")
 
 
 def is_synthetic(name: str) -> bool:
@@ -46,7 +49,17 @@ def config_for(base_config: dict, overrides: dict) -> dict:
     """The synthetic model's config.json: the base's, with the overrides; a changed hidden size or head count
     drops an explicit head_dim that no longer divides it (the model then derives it)."""
     cfg = {k: v for k, v in base_config.items() if not k.startswith("_")}
+    overrides = dict(overrides)
+    if "num_experts" in overrides:
+        key = next((k for k in _EXPERT_KEYS if k in cfg), "num_experts")
+        overrides[key] = overrides.pop("num_experts")
     cfg.update(overrides)
+    if "num_hidden_layers" in overrides:
+        _keep_layer_pattern(cfg)
+    for k in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        # The builder sets these to the tiny tokenizer's ids; a class default past a smaller vocabulary
+        # (Phi-3's pad id 32000) would fail the model's constructor before that.
+        cfg[k] = None
     changed = {"hidden_size", "num_attention_heads"} & set(overrides)
     if changed and "head_dim" not in overrides and cfg.get("head_dim") and cfg.get("num_attention_heads"):
         if cfg["head_dim"] * cfg["num_attention_heads"] != cfg.get("hidden_size"):
@@ -60,6 +73,23 @@ def cache_dir(name: str):
     """Where the synthetic model `name` is built: one directory per exact name."""
     digest = hashlib.sha256(name.encode()).hexdigest()[:16]
     return cache_root() / f"synthetic-{VERSION}-{digest}"
+
+
+def _keep_layer_pattern(cfg: dict) -> None:
+    """A model with sliding-window and global attention layers (Gemma 3: five sliding to one global) keeps
+    both kinds when a synthetic copy has fewer layers: the base's pattern, cut to the new depth, with the
+    last layer global (the end of every published period), so a 2-layer copy runs one of each."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    period = cfg.get("sliding_window_pattern")
+    if types is None and period:
+        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(max(n, period))]
+    if not types:
+        return
+    types = list(types[:n]) + [types[-1]] * max(0, n - len(types))
+    if "sliding_attention" in types:
+        types[-1] = "full_attention"
+    cfg["layer_types"] = types
 
 
 # ----------------------------------------------------------------------------------- token data
