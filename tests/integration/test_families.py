@@ -37,7 +37,11 @@ def _plain_peft(run_dir, adapter_dir=None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base_dir = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    from finetune.train.model import (
+        resolve_name,  # the portable name (synthetic:...) -> its directory here
+    )
+
+    base_dir = resolve_name(json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"])
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     return PeftModel.from_pretrained(base, str(adapter_dir or run_dir / "adapter")).eval(), base_dir
 

@@ -131,10 +131,13 @@ def test_fsdp_adapter_loads_in_plain_peft(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from finetune.train.model import resolve_name
+
     run = tmp_path / "fsdp"
     launch(run, 2, ["train.max_steps=4", "train.save_every=4"])
     cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
-    base = AutoModelForCausalLM.from_pretrained(cfg["base_model_name_or_path"])
+    # The adapter names its base portably (builtin:tiny-llama); finetune says where that lives on this machine.
+    base = AutoModelForCausalLM.from_pretrained(resolve_name(cfg["base_model_name_or_path"]))
     ids = torch.tensor([[1, 20, 30, 40, 50]])
     with torch.no_grad():
         before = base(ids).logits

@@ -117,9 +117,12 @@ def test_adapter_loads_in_plain_peft_and_changes_logits(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from finetune.train.model import resolve_name
+
     train(tiny(tmp_path, train={"max_steps": 8}), tmp_path / "run")
     cfg = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())
-    base = AutoModelForCausalLM.from_pretrained(cfg["base_model_name_or_path"])
+    # The adapter names its base portably (builtin:tiny-llama); finetune says where that lives on this machine.
+    base = AutoModelForCausalLM.from_pretrained(resolve_name(cfg["base_model_name_or_path"]))
     tok = AutoTokenizer.from_pretrained(tmp_path / "run" / "adapter")
     ids = tok("reverse: red cat blue\n", return_tensors="pt")
     with torch.no_grad():
