@@ -107,6 +107,7 @@ HOLD = """
 import fcntl, json, os, socket, sys, time
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
 fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)  # as runlock does: a shorter record over the last run's would leave its tail behind
 os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}).encode(), 0)
 print("held", flush=True)
 time.sleep(600)
