@@ -117,6 +117,11 @@ def portable_peft_config(peft_config, spec):
 
     cfg = copy.copy(peft_config)
     name, revision = base_reference(spec.name, getattr(peft_config, "base_model_name_or_path", None))
-    cfg.base_model_name_or_path = name
-    cfg.revision = revision or getattr(spec, "revision", None)
+    from finetune.util.redact import redact
+
+    cfg.base_model_name_or_path = redact(name) if name else name
+    rev = revision or getattr(spec, "revision", None)
+    # A secret pasted where the revision goes (a token in model.revision) is never written: dropped, not
+    # masked, since a masked revision would name no commit.
+    cfg.revision = rev if rev is None or redact(rev) == rev else None
     return cfg
