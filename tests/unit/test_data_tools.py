@@ -10,6 +10,10 @@ from finetune.data import formats as F
 from finetune.data.chat import normalize
 from finetune.recipe import DataSpec
 
+from .test_data_formats import (
+    spans,  # decoded runs of trained tokens; `tok` is conftest's
+)
+
 # Written for these tests after Qwen3's behaviour: tools listed in the system turn, tool calls as JSON in
 # <call> tags, tool results inside a user turn, and <think> reasoning kept only after the last user message.
 REWRITING = (
@@ -52,28 +56,6 @@ CONV = [
 ]
 ROW = {"messages": CONV, "tools": TOOLS}
 CALL = '<call>{"name": "get_weather", "arguments": {"city": "Paris"}}</call>'
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    from finetune.util import builtin as tiny
-
-    return AutoTokenizer.from_pretrained(tiny.ASSETS / f"tiny-llama-{tiny.VERSION}")
-
-
-def spans(tok, ex):
-    """Decoded runs of trained tokens, in order."""
-    out, cur = [], []
-    for i, (t, lab) in enumerate(zip(ex["input_ids"], ex["labels"])):
-        if lab != E.IGNORE and i > 0:
-            assert lab == t
-            cur.append(t)
-        elif cur:
-            out.append(tok.decode(cur))
-            cur = []
-    return out + ([tok.decode(cur)] if cur else [])
 
 
 def test_rewriting_template_trains_each_turn_as_inference_renders_it(tok):
