@@ -56,14 +56,27 @@ def meta(a: argparse.Namespace, argv: list[str]) -> dict:
             "threads": a.threads, "load_before": common.load_average(), "rows_run": a.selected}
 
 
-def run_rows(a: argparse.Namespace, log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
-    rows = {}
-    for name in a.selected:
+def run_rows(a: argparse.Namespace, results: dict, t0: float,
+             log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
+    rows = results["rows"] = {}
+    for i, name in enumerate(a.selected, 1):
         full, quick, timeout = ROWS[name]
         log(f"benchmarks: {name} ...")
         rows[name] = common.run_module(name, quick if a.quick else full, timeout, a.threads)
         log(f"benchmarks: {name}: {report.status(rows[name])} ({rows[name].get('seconds', '?')} s)")
+        if i < len(a.selected):
+            # A full run takes most of an hour: the report is rewritten after every row, so stopping the run
+            # keeps every figure measured so far (marked partial).
+            results["meta"].update(seconds=round(time.perf_counter() - t0, 1),
+                                   partial=f"{i} of {len(a.selected)} rows measured")
+            write_report(a, results)
+    results["meta"].pop("partial", None)
     return rows
+
+
+def write_report(a: argparse.Namespace, results: dict) -> None:
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(report.markdown(results))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,10 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     t0 = time.perf_counter()
     results = {"meta": meta(a, argv)}
-    results["rows"] = run_rows(a)
+    run_rows(a, results, t0)
     results["meta"].update(seconds=round(time.perf_counter() - t0, 1), load_after=common.load_average())
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(report.markdown(results))
+    write_report(a, results)
     print(report.summary_table(results))
     print(f"\nwrote {a.out}")
     s = report.summary(results)

@@ -134,6 +134,9 @@ def header(results: dict) -> str:
     lines = ["# Benchmarks", "",
              f"`{meta['command']}` on {meta['date']}, commit `{meta['commit']}`, {_f(meta.get('seconds'), 4)} s "
              "in all. Every figure below comes from this one run.", ""]
+    if meta.get("partial"):
+        lines += [f"> **Partial**: {meta['partial']}; the run was stopped or is still going, so rows marked "
+                  "'not run' have no figures yet.", ""]
     if meta.get("quick"):
         lines += ["> **Quick run** (`--quick`): fewer repetitions and steps than the record needs; do not quote.", ""]
     if under_load(meta):
