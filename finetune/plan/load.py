@@ -5,18 +5,17 @@ One reader per machine (its local rank 0) reads one checkpoint tensor at a time:
 - a 4-bit target weight in blocks of rows of about PIECE elements (each read in the checkpoint dtype, cast
   to model.dtype and quantized), its packed pieces concatenated at the end; the packed bytes then go whole
   to every rank of the machine (the quantization state covers the whole weight);
-- a plain tensor (embeddings, head, norms) whole, cast to model.dtype, and sent whole; except under FSDP2,
-  where the reader reads each rank's rows alone and sends them to that rank alone.
+- a plain tensor (embeddings, head, norms) whole, cast to model.dtype, and sent whole; except under FSDP
+  (1 or 2), where the reader reads the rows of each rank's part alone and sends them to that rank alone.
 
 Each rank keeps its part:
 - one process or replicas: the whole model, built up one tensor at a time;
 - FSDP2: a dim-0 chunk of every parameter (1/world), plus the whole quantization state;
-- FSDP1: a wrapped module (one decoder layer, or the root: embeddings, head, final norm) whole, and its
-  flat parameter, which FSDP1 concatenates before it keeps this rank's slice.
+- FSDP1: its slice of every flat parameter (1/world: FSDP1 flattens and shards the meta model, then the
+  slice is filled, train/fsdp1.py), plus the whole quantization state.
 
-So the peak is what a process finally holds plus the biggest transient: the largest tensor in flight
-(or, FSDP1, the largest wrapped module twice). LoRA adapters exist whole in every process before
-`prepare` shards them.
+So the peak is what a process finally holds plus the biggest transient: the largest tensor in flight.
+LoRA adapters exist whole in every process before `prepare` shards them.
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int) -> tuple[int, int]:
     """(bytes in flight on the reader for the biggest tensor, bytes a receiver holds for it), `shard` the
     FSDP shard count (1: whole)."""
     mb = dtype_bytes[s.model_dtype]
-    per_rank = shard > 1 and s.strategy == "fsdp" and s.fsdp_version == 2
+    per_rank = shard > 1 and s.strategy == "fsdp"
     reader = received = 0
     for numel, four_bit in tensors(arch):
         if four_bit and s.quant in ("nf4", "fp4"):
@@ -48,15 +47,10 @@ def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int) -> tuple[int, int]:
             # one row block read and cast, beside the packed pieces and their concatenation
             flight, got = min(numel, PIECE) * (CKPT_BYTES + mb) + 2 * packed, packed
         else:
-            part = -(-numel // shard) if per_rank else numel  # FSDP2: each rank's rows alone
+            part = -(-numel // shard) if per_rank else numel  # FSDP: each rank's rows alone
             flight, got = part * (CKPT_BYTES + (mb if mb != CKPT_BYTES else 0)), part * mb
         reader, received = max(reader, flight), max(received, got)
     return reader, received
-
-
-def _fsdp1_unit(arch: Arch, w: dict) -> int:
-    """Bytes of the largest module FSDP1 wraps: one decoder layer or the root (embeddings and head)."""
-    return max((w["base_4bit"] + w.get("experts", 0)) // arch.layers, w["unquantized"])
 
 
 def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader: bool) -> int:
@@ -68,10 +62,8 @@ def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader:
     # otherwise. The quantization state is whole on every rank.
     final = w["quant_constants"] + on_device * sharded
     flight, received = _sizes(arch, s, dtype_bytes, shard)
-    if s.strategy == "fsdp" and shard > 1 and s.fsdp_version == 1:
-        transient = 2 * _fsdp1_unit(arch, w)
-    else:  # what arrives, beside the part of it kept (FSDP2's chunk of a packed weight is a copy)
-        transient = received + (received // shard if shard > 1 else 0)
+    # what arrives, beside the part of it kept (an FSDP rank's part of a packed weight is a copy)
+    transient = received + (received // shard if shard > 1 else 0)
     if reader:
         transient = max(transient, flight + (received // shard if shard > 1 else 0))
     return final + transient
@@ -80,12 +72,12 @@ def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader:
 def machine_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, process_ram: int) -> int:
     """Peak CPU RAM of one machine while loading: its processes, and on a CPU run their weights too; on
     GPUs only the reader's host copy of what it reads at once (safetensors' read: a row block of a 4-bit
-    weight, a plain tensor or, under FSDP2, one rank's rows of it)."""
+    weight, a plain tensor or, under FSDP, one rank's rows of it)."""
     procs = s.per_machine
     if s.device == "cpu":
         return procs * process_ram + process_bytes(arch, s, w, shard, dtype_bytes, True) + \
             (procs - 1) * process_bytes(arch, s, w, shard, dtype_bytes, False)
-    per_rank = shard > 1 and s.strategy == "fsdp" and s.fsdp_version == 2
+    per_rank = shard > 1 and s.strategy == "fsdp"
     quantized = s.quant in ("nf4", "fp4")
     biggest = max(min(n, PIECE) if four_bit and quantized else (-(-n // shard) if per_rank else n)
                   for n, four_bit in tensors(arch)) * CKPT_BYTES  # the reader's host copy of what it reads

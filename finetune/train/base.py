@@ -1,5 +1,5 @@
 """The frozen base model through the streaming loader (load.py): the skeleton, the first pass at load time,
-and the FSDP fills that run while `prepare` wraps the model.
+and the FSDP2 fill that runs after `prepare` wraps the model (FSDP1's: fsdp1.py).
 
 Every parameter the checkpoint holds gets `_finetune_keys[name]` (its checkpoint key) and
 `_finetune_dtypes[name]` on its module; a `Linear4bit` also gets `_finetune_q` (its quantization
@@ -146,18 +146,6 @@ def full_shape(module, pname: str) -> tuple[int, ...]:
         nbytes = (module.in_features * module.out_features + 1) // 2
         return (nbytes // torch.empty((), dtype=module._finetune_q["quant_storage"]).element_size(), 1)
     return module._finetune_shapes[pname]
-
-
-def fsdp1_param_init(module):
-    """FSDP1's `param_init_fn`: set the meta parameters of one module being wrapped, whole; FSDP1 then
-    flattens the wrapped module and keeps only this rank's slice. FSDP1 calls it on every rank for the same
-    modules in the same order, so the broadcasts inside line up."""
-    pending = [p for p in getattr(module, "_finetune_keys", {}) if module._parameters[p].is_meta]
-    if pending:
-        release_freed_memory()  # the previous module's whole copy, which FSDP1 has sharded and dropped
-    for pname in pending:
-        module._parameters[pname] = materialize(module._finetune_stream, module, pname)
-    return module
 
 
 def _fsdp2_params(model) -> dict:

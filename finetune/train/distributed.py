@@ -280,28 +280,31 @@ def prepare(accelerator, model, optimizer):
     """
     from accelerate.utils import DistributedType
 
-    from finetune.train import base
+    from finetune.train import base, fsdp1
 
     disable_cpu_weight_repacking(model)
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     if fsdp:
         plugin = accelerator.state.fsdp_plugin
         complete_wrap_policy(plugin, model)
-        # The streaming loader left the base as placeholders: FSDP shards meta tensors, and the weights
-        # arrive shard by shard (FSDP1 while it wraps each module, FSDP2 after fully_shard; train/base.py).
+        # The streaming loader left the base as placeholders: FSDP shards meta tensors, and each rank's
+        # shard is filled after wrapping (FSDP2: base.fill_fsdp2_shards; FSDP1: train/fsdp1.py).
         base.before_wrap(model)
         # Accelerate's own rank-0 loading would broadcast rank 0's placeholders: the streaming loader
         # already is the one-reader path, so its broadcasts are off (all ranks receive the same weights).
         plugin.cpu_ram_efficient_loading = False
         plugin.sync_module_states = False
         if plugin.fsdp_version == 1:
-            plugin.param_init_fn = base.fsdp1_param_init
-    out = accelerator.prepare(model, optimizer)
+            plugin.param_init_fn = fsdp1.param_init
+    with fsdp1.meta_wrapping() if fsdp and plugin.fsdp_version == 1 else contextlib.nullcontext():
+        out = accelerator.prepare(model, optimizer)
     if fsdp:
         if not is_sharded(out[0]):
             raise RuntimeError(f"FSDP was configured but prepare returned an unsharded {type(out[0]).__name__}")
         if plugin.fsdp_version == 2:
             base.fill_fsdp2_shards(out[0])
+        else:
+            fsdp1.fill_shards(out[0])
         log.info(describe_fsdp(accelerator))
     return out
 

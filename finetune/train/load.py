@@ -12,9 +12,9 @@ placement says (under FSDP2 a plain tensor is instead sent to each rank as its o
 - `fsdp2`: nothing is set at load time (a placeholder stands in, so LoRA can be attached); `prepare`
   shards the meta model with `fully_shard` and then `fill_fsdp2_shards` streams the checkpoint again,
   each rank keeping only its dim-0 chunk of every parameter: the packed 4-bit bytes included.
-- `fsdp1`: FSDP1 flattens a wrapped module's parameters before sharding them, so a rank's slice is only
-  known inside FSDP: `fsdp1_param_init` fills one wrapped module at a time while FSDP1 wraps it
-  (its `param_init_fn` route), and FSDP1 then keeps only this rank's slice of the flat parameter.
+- `fsdp1`: FSDP1 flattens and shards the meta model (its `param_init_fn` leaves everything on meta), and
+  then `fsdp1.fill_shards` fills each rank's slice of every flat parameter, reading only the rows that
+  slice covers (fsdp1.py).
 
 Quantization state (absmax, nested absmax, code, ...) is kept whole on every rank, on the `Linear4bit`
 module (`module.quant_state`), where bitsandbytes finds it again after FSDP gathers the packed weight.
@@ -205,33 +205,48 @@ class Stream:
 
     def plain_chunk(self, key: str, dtype: torch.dtype, shape: tuple, index: int, parts: int) -> torch.Tensor:
         """torch.chunk(whole, parts)[index] (empty past the last chunk) of the plain tensor `key`, on this
-        rank, for FSDP2. The reader reads each other rank of its machine's rows alone and sends them to that
-        rank alone, then reads its own: no process holds the whole tensor (a broadcast would make every rank
-        hold it, which for the embedding or the output head is the biggest transient of the load).
-        `index`/`parts` equal this process's rank/world (the caller checks). Collective, in the same order."""
+        rank, for FSDP2. `index`/`parts` equal this process's rank/world (the caller checks)."""
+        rows = shape[0]
+        size, row = -(-rows // parts), torch.Size(shape[1:]).numel()
+        spans = {r: (min(r * size, rows) * row, min((r + 1) * size, rows) * row) for r in self._machine()}
+        part = self.plain_range(key, dtype, shape, spans)
+        return part.view(-1, *shape[1:])
+
+    def _machine(self) -> range:
+        pl = self.placement
+        return range(pl.reader, pl.reader + pl.local_world)
+
+    def plain_range(self, key: str, dtype: torch.dtype, shape: tuple, spans: dict) -> torch.Tensor:
+        """Elements [start, stop) of the flattened plain tensor `key`, on this rank, where `spans` maps each
+        global rank of this machine to its (start, stop) (ranks that want nothing may be left out). The
+        reader reads each other rank's rows alone and sends that rank its elements alone, then reads its
+        own: no process holds the whole tensor (a broadcast would make every rank hold it, which for the
+        embedding or the output head is the biggest transient of the load). Collective, in the same order."""
         import torch.distributed as dist
 
-        pl, rows = self.placement, shape[0]
-        size = -(-rows // parts)
-
-        def bounds(r: int) -> tuple[int, int]:
-            return min(r * size, rows), min((r + 1) * size, rows)
-
+        pl = self.placement
         comm = _comm_device(pl)
-        if index == pl.reader:
-            for r in range(pl.reader + 1, pl.reader + pl.local_world):  # this machine's other ranks
-                lo, hi = bounds(r)
-                if hi > lo:
-                    part = self.ckpt.read_rows(key, lo, hi).to(comm, dtype).contiguous()
-                    dist.send(part.view(-1).view(torch.uint8), dst=r)
+        if pl.rank == pl.reader:
+            for r in self._machine():
+                if r != pl.rank and spans.get(r, (0, 0))[1] > spans[r][0]:
+                    part = self._read_range(key, shape, *spans[r]).to(comm, dtype).contiguous()
+                    dist.send(part.view(torch.uint8), dst=r)
                     del part
-            lo, hi = bounds(index)
-            return self.ckpt.read_rows(key, lo, hi).to(pl.device, dtype).contiguous()
-        lo, hi = bounds(index)
-        buf = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device=comm)
+            lo, hi = spans.get(pl.rank, (0, 0))
+            return self._read_range(key, shape, lo, max(lo, hi)).to(pl.device, dtype).contiguous()
+        lo, hi = spans.get(pl.rank, (0, 0))
+        buf = torch.empty(max(0, hi - lo), dtype=dtype, device=comm)
         if hi > lo:
-            dist.recv(buf.view(-1).view(torch.uint8), src=pl.reader)
+            dist.recv(buf.view(torch.uint8), src=pl.reader)
         return buf.to(pl.device)
+
+    def _read_range(self, key: str, shape: tuple, start: int, stop: int) -> torch.Tensor:
+        """Flat elements [start, stop) of `key`, read as the few whole rows (dim 0) that cover them."""
+        if not shape:
+            return self.ckpt.read(key).reshape(-1)[start:stop]
+        row = torch.Size(shape[1:]).numel()
+        lo, hi = start // row, -(-stop // row)
+        return self.ckpt.read_rows(key, lo, max(lo, hi)).reshape(-1)[start - lo * row:stop - lo * row]
 
 
 QUANT_CHUNK = 2**20  # elements quantized at once: a multiple of every block size and storage width

@@ -1,0 +1,150 @@
+"""FSDP1 over the meta model: FSDP1 flattens and shards parameters that hold no memory, then each rank fills
+only its own slice of every flat parameter from the checkpoint (base.py tags what each parameter is).
+
+FSDP1 builds a wrapped module's FlatParameter by concatenating its parameters, then keeps this rank's slice:
+with real parameters, every rank would hold each wrapped module whole twice (the parameters and their
+concatenation) before sharding; for the root unit (embedding and output head) that is the biggest
+transient of the load. On meta both are free, and what FSDP1 records (each parameter's place in the flat
+parameter, this rank's `_shard_param_infos`) is all the fill needs:
+
+- `param_init` (FSDP1's `param_init_fn`): the base's parameters stay meta; any real parameter (LoRA) is moved
+  to meta too, its value stashed on its module. The Python object stays the same (the optimizer, built
+  before `prepare`, holds it; FSDP1 with use_orig_params keeps it).
+- `meta_wrapping` (around `accelerator.prepare`): two places where torch 2.13's FSDP1 assumes the
+  parameters are real after `param_init_fn` (see the function).
+- `fill_shards` (after `prepare`): for every flat parameter, in the same order on every rank, this rank's
+  slice: plain tensors as the few rows covering it (the reader sends each rank its elements alone), 4-bit
+  weights quantized on the reader and their packed bytes broadcast (the quantization state is set whole on
+  every rank), LoRA from the stash. FSDP1's padding stays zero.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from finetune.train.load import materialize, release_freed_memory
+
+
+def swap_storage(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """Point the tensor object `t` at `data` and return what it pointed at. `.data =` cannot move a tensor
+    between meta and a real device; torch.utils.swap_tensors can, and here `t` keeps its class and
+    attributes (a Params4bit's quantization arguments, FSDP1's bookkeeping on a FlatParameter)."""
+    new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
+    new.__class__, new.__dict__ = t.__class__, t.__dict__
+    torch.utils.swap_tensors(t, new)
+    new.__dict__ = {}
+    return new.data
+
+
+def param_init(module):
+    """FSDP1's `param_init_fn`, called for each module of a unit being wrapped: every parameter of `module`
+    ends on meta (the base's already are; a real one, LoRA, is stashed whole on the module first)."""
+    for pname, p in list(module._parameters.items()):
+        if p is not None and not p.is_meta:
+            stash = module.__dict__.setdefault("_finetune_stash", {})
+            stash[pname] = swap_storage(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+    return module
+
+
+@contextlib.contextmanager
+def meta_wrapping():
+    """FSDP1 (torch 2.13) wrapping parameters that `param_init` left on meta. Two of its steps assume real
+    parameters, and both are only bookkeeping here:
+
+    - `_init_utils._get_compute_device` takes the compute device from the first parameter; meta is not
+      `device_id`, so it raises "Inconsistent compute device" (_init_utils.py:1101). The compute device is
+      `device_id`, where `fill_shards` puts the shards.
+    - with cpu_offload, `_init_param_handle_from_params` copies the sharded flat parameter to CPU
+      (_init_utils.py:673, `FlatParamHandle.flat_param_to`), which a meta tensor cannot do; `fill_shards`
+      allocates an offloaded shard on CPU in the first place.
+    """
+    from torch.distributed.fsdp import _init_utils
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+    compute_device, flat_param_to = _init_utils._get_compute_device, FlatParamHandle.flat_param_to
+
+    def meta_compute_device(module, ignored_params, device_from_device_id, rank, device_handle):
+        first = next(_init_utils._get_orig_params(module, ignored_params), None)
+        if first is not None and first.is_meta and device_from_device_id is not None:
+            return device_from_device_id
+        return compute_device(module, ignored_params, device_from_device_id, rank, device_handle)
+
+    def meta_flat_param_to(handle, *args, **kwargs):
+        if not handle.flat_param.is_meta:
+            flat_param_to(handle, *args, **kwargs)
+
+    _init_utils._get_compute_device, FlatParamHandle.flat_param_to = meta_compute_device, meta_flat_param_to
+    try:
+        yield
+    finally:
+        _init_utils._get_compute_device, FlatParamHandle.flat_param_to = compute_device, flat_param_to
+
+
+def fill_shards(model) -> None:
+    """Give every FlatParameter still on meta its real local shard (see the module doc). Collective: every
+    rank walks the same units and parameters in the same order."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for unit in FullyShardedDataParallel.fsdp_modules(model):
+        handle = unit._handle
+        if handle is None or not handle.flat_param.is_meta:
+            continue
+        flat = handle.flat_param
+        device = torch.device("cpu") if handle._offload_params else handle.device
+        local = torch.zeros(flat.numel(), dtype=flat.dtype, device=device)
+        spans = _peer_spans(handle)
+        for i, ((pname, module, _), info) in enumerate(zip(flat._param_infos, flat._shard_param_infos)):
+            part = _part(module, pname, {r: s[i] for r, s in spans.items() if s[i]}, info)
+            if info.in_shard:
+                local[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard].copy_(part)
+            del part
+        swap_storage(flat, local)
+        # The original parameters are views of the flat parameter: real from now on, so `.data` takes views.
+        for p in [*flat._params, *(flat._shared_params or [])]:
+            swap_storage(p, torch.empty(0, dtype=p.dtype, device=device))
+        handle._use_sharded_views()
+        release_freed_memory()
+
+
+def _peer_spans(handle) -> dict[int, list]:
+    """Global rank of each process on this machine -> per parameter of the handle, the (start, stop) of
+    that parameter's elements in the rank's shard (None when none): FSDP1's own shard bookkeeping
+    (`_get_shard_metadata`) for each rank's interval of the flat parameter."""
+    import torch.distributed as dist
+
+    pl = _stream_of(handle).placement
+    n, out = handle.flat_param.numel(), {}
+    for g in range(pl.reader, pl.reader + pl.local_world):
+        s = dist.get_group_rank(handle.process_group, g)
+        infos = handle._get_shard_metadata(s * n, (s + 1) * n - 1)
+        out[g] = [(i.intra_param_start_idx, i.intra_param_end_idx + 1) if i.in_shard else None for i in infos]
+    return out
+
+
+def _stream_of(handle):
+    for _, module, _ in handle.flat_param._param_infos:
+        if hasattr(module, "_finetune_stream"):
+            return module._finetune_stream
+    raise RuntimeError(f"FSDP1 unit {handle} holds meta parameters the streaming loader did not tag")
+
+
+def _part(module, pname: str, spans: dict, info) -> torch.Tensor | None:
+    """This rank's elements of `module.pname` (None when its shard holds none, after taking part in the
+    collective reads that every rank makes for this parameter)."""
+    import bitsandbytes as bnb
+
+    mine = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else None
+    stash = module.__dict__.get("_finetune_stash", {})
+    if pname in stash:  # LoRA: every rank has its whole value
+        whole = stash.pop(pname)
+        return whole.reshape(-1)[mine[0]:mine[1]] if mine else None
+    if pname not in getattr(module, "_finetune_keys", {}):
+        raise RuntimeError(f"FSDP1: {type(module).__name__}.{pname} is on meta and neither loaded nor stashed")
+    stream = module._finetune_stream
+    if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
+        whole = materialize(stream, module, pname)  # sets module.quant_state on every rank
+        module.weight.quant_state = module.quant_state
+        return whole.data.reshape(-1)[mine[0]:mine[1]].clone() if mine else None
+    return stream.plain_range(module._finetune_keys[pname], module._finetune_dtypes[pname],
+                              module._finetune_shapes[pname], spans)
