@@ -228,8 +228,9 @@ class Stream:
         comm = _comm_device(pl)
         if pl.rank == pl.reader:
             for r in self._machine():
-                if r != pl.rank and spans.get(r, (0, 0))[1] > spans[r][0]:
-                    part = self._read_range(key, shape, *spans[r]).to(comm, dtype).contiguous()
+                lo, hi = spans.get(r, (0, 0))
+                if r != pl.rank and hi > lo:
+                    part = self._read_range(key, shape, lo, hi).to(comm, dtype).contiguous()
                     dist.send(part.view(torch.uint8), dst=r)
                     del part
             lo, hi = spans.get(pl.rank, (0, 0))
