@@ -8,7 +8,7 @@ transient of the load. On meta both are free, and what FSDP1 records (each param
 parameter, this rank's `_shard_param_infos`) is all the fill needs:
 
 - `param_init` (FSDP1's `param_init_fn`): the base's parameters stay meta; any real parameter (LoRA) is moved
-  to meta too, its value stashed on its module. The Python object stays the same (the optimizer, built
+  to meta too, its value stashed on it. The Python object stays the same (the optimizer, built
   before `prepare`, holds it; FSDP1 with use_orig_params keeps it).
 - `meta_wrapping` (around `accelerator.prepare`): two places where torch 2.13's FSDP1 assumes the
   parameters are real after `param_init_fn` (see the function).
@@ -39,11 +39,10 @@ def swap_storage(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
 
 def param_init(module):
     """FSDP1's `param_init_fn`, called for each module of a unit being wrapped: every parameter of `module`
-    ends on meta (the base's already are; a real one, LoRA, is stashed whole on the module first)."""
-    for pname, p in list(module._parameters.items()):
-        if p is not None and not p.is_meta:
-            stash = module.__dict__.setdefault("_finetune_stash", {})
-            stash[pname] = swap_storage(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+    ends on meta (the base's already are; a real one, LoRA, is stashed whole on the parameter first)."""
+    for p in module._parameters.values():
+        if p is not None and not p.is_meta:  # kept on the parameter itself: a shared one is stashed once
+            p.__dict__["_finetune_stash"] = swap_storage(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
     return module
 
 
@@ -95,7 +94,7 @@ def fill_shards(model) -> None:
         local = torch.zeros(flat.numel(), dtype=flat.dtype, device=device)
         spans = _peer_spans(handle)
         for i, ((pname, module, _), info) in enumerate(zip(flat._param_infos, flat._shard_param_infos)):
-            part = _part(module, pname, {r: s[i] for r, s in spans.items() if s[i]}, info)
+            part = _part(module, pname, flat._params[i], {r: s[i] for r, s in spans.items() if s[i]}, info)
             if info.in_shard:
                 local[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard].copy_(part)
             del part
@@ -116,7 +115,7 @@ def _peer_spans(handle) -> dict[int, list]:
     pl = _stream_of(handle).placement
     n, out = handle.flat_param.numel(), {}
     for g in range(pl.reader, pl.reader + pl.local_world):
-        s = dist.get_group_rank(handle.process_group, g)
+        s = dist.get_group_rank(handle.process_group, g) if handle.uses_sharded_strategy else 0  # NO_SHARD: all
         infos = handle._get_shard_metadata(s * n, (s + 1) * n - 1)
         out[g] = [(i.intra_param_start_idx, i.intra_param_end_idx + 1) if i.in_shard else None for i in infos]
     return out
@@ -129,22 +128,21 @@ def _stream_of(handle):
     raise RuntimeError(f"FSDP1 unit {handle} holds meta parameters the streaming loader did not tag")
 
 
-def _part(module, pname: str, spans: dict, info) -> torch.Tensor | None:
-    """This rank's elements of `module.pname` (None when its shard holds none, after taking part in the
-    collective reads that every rank makes for this parameter)."""
+def _part(module, pname: str, param, spans: dict, info) -> torch.Tensor | None:
+    """This rank's elements of `module.pname` (`param`; None when its shard holds none, after taking part
+    in the collective reads that every rank makes for this parameter)."""
     import bitsandbytes as bnb
 
     mine = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else None
-    stash = module.__dict__.get("_finetune_stash", {})
-    if pname in stash:  # LoRA: every rank has its whole value
-        whole = stash.pop(pname)
+    whole = param.__dict__.pop("_finetune_stash", None)
+    if whole is not None:  # LoRA: every rank has its whole value
         return whole.reshape(-1)[mine[0]:mine[1]] if mine else None
     if pname not in getattr(module, "_finetune_keys", {}):
         raise RuntimeError(f"FSDP1: {type(module).__name__}.{pname} is on meta and neither loaded nor stashed")
     stream = module._finetune_stream
     if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
         whole = materialize(stream, module, pname)  # sets module.quant_state on every rank
-        module.weight.quant_state = module.quant_state
+        param.quant_state = module.quant_state
         return whole.data.reshape(-1)[mine[0]:mine[1]].clone() if mine else None
     return stream.plain_range(module._finetune_keys[pname], module._finetune_dtypes[pname],
                               module._finetune_shapes[pname], spans)
