@@ -98,6 +98,7 @@ def fill_shards(model) -> None:
             if info.in_shard:
                 local[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard].copy_(part)
             del part
+            release_freed_memory()  # the whole packed weight and its quantization's heap, before the next
         swap_storage(flat, local)
         # The original parameters are views of the flat parameter: real from now on, so `.data` takes views.
         for p in [*flat._params, *(flat._shared_params or [])]:
