@@ -52,7 +52,13 @@ def overrides(seed: int, steps: int, window: int) -> list[str]:
 
 
 def recipe_numbers(rec) -> dict:
-    """What TRL's side is configured from: the recipe's numbers, in Trainer's names where they differ."""
+    """What TRL's side is configured from: the recipe's numbers, in Trainer's names where they differ, and
+    the precision finetune resolves on this machine (fp32 compute on a CPU without native bf16)."""
+    import torch
+
+    from finetune.train.device import resolve_cpu_precision
+
+    rec, _ = resolve_cpu_precision(rec, on_cpu=not torch.cuda.is_available())
     t, lo = rec.train, rec.lora
     optim = {"paged_adamw_8bit": "paged_adamw_8bit", "adamw_8bit": "adamw_bnb_8bit",
              "adamw_torch": "adamw_torch"}[t.optimizer]
@@ -62,7 +68,8 @@ def recipe_numbers(rec) -> dict:
             "adam_beta2": t.adam_beta2, "adam_epsilon": t.adam_epsilon, "max_grad_norm": t.max_grad_norm,
             "optimizer": optim, "gradient_checkpointing": rec.model.gradient_checkpointing,
             "max_seq_len": rec.data.max_seq_len, "lora_r": lo.r, "lora_alpha": lo.alpha,
-            "lora_dropout": lo.dropout, "target_modules": lo.target_modules}
+            "lora_dropout": lo.dropout, "target_modules": lo.target_modules,
+            "mixed_precision": t.mixed_precision, "compute_dtype": rec.quantization.compute_dtype}
 
 
 def export(seed: int, steps: int, window: int, tmp: Path) -> dict:
