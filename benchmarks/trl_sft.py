@@ -105,19 +105,25 @@ def score(adapter: str, seed: int, steps: int, window: int) -> dict:
     """Held-out loss and greedy exact match of base + adapter, finetune's `eval` scorer for every arm."""
     from peft import PeftModel
 
+    import torch
+
     from finetune import recipe as recipe_mod
+    from finetune.data import encode
     from finetune.data.prepare import prepare
+    from finetune.train.device import resolve_cpu_precision
     from finetune.train.evaluate import exact_match, heldout_loss
     from finetune.train.model import load_model, load_tokenizer
 
     rec = recipe_mod.load(TINY_RECIPE, overrides(seed, steps, window))
+    # as `finetune eval` scores a run: with the precision its recipe.yaml holds (resolved for this machine)
+    rec, _ = resolve_cpu_precision(rec, on_cpu=not torch.cuda.is_available())
     tok = load_tokenizer(rec.model)
     prepared = prepare(rec.data, tok)
     model = PeftModel.from_pretrained(load_model(rec.model, rec.quantization, quiet=True), adapter)
     model.eval()
     return {"eval_loss": heldout_loss(model, prepared.eval, rec),
             "exact_match": exact_match(model, tok, prepared.eval_rows, rec.eval.exact_match_samples,
-                                       rec.eval.max_new_tokens)}
+                                       rec.eval.max_new_tokens, encode.chat_template(rec.data, tok))}
 
 
 def collators_agree(settings: dict, batches: int) -> dict:
