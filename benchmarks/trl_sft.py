@@ -26,8 +26,10 @@ from benchmarks.trl_compare import compare_batches, digest, loss_not_worse, spre
 ARMS = ["finetune", "trl", "trl_fp32_adapters"]
 DIFFERENCES = [
     "Adapter precision: SFTTrainer casts the LoRA weights of a quantized model to bf16 (so the 8-bit AdamW "
-    "updates bf16 weights); finetune keeps fp32 master weights under bf16 autocast. The ablation arm keeps "
-    "TRL's adapters in fp32.",
+    "updates bf16 weights), with bf16=False too; finetune keeps fp32 master weights. The ablation arm keeps "
+    "TRL's adapters in fp32. On a CPU without native bf16 the cast also puts TRL's LoRA matmuls on torch's "
+    "slow bf16 kernel (measured: about half the fp32 arm's tokens/s), so there the ablation arm is the "
+    "like-for-like speed comparison.",
     "Data order: each shuffles with its own sampler (finetune: `data.shuffle_seed` and the epoch; TRL: "
     "the Trainer's seeded RandomSampler). The rows are the same; the seed sets both tools' order.",
     "Loss and per-step metrics: SFTTrainer's fused LM head projects the hidden states through the head in "
