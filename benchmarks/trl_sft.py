@@ -103,7 +103,7 @@ def run_arm(arm: str, settings: dict, out: Path, timeout: float, threads: int | 
     return last_json_line(proc.stdout)
 
 
-def score(adapter: str, seed: int, steps: int, window: int) -> dict:
+def score(adapter: str, seed: int, steps: int, window: int, extra: tuple = ()) -> dict:
     """Held-out loss and greedy exact match of base + adapter, finetune's `eval` scorer for every arm."""
     from peft import PeftModel
 
@@ -116,7 +116,7 @@ def score(adapter: str, seed: int, steps: int, window: int) -> dict:
     from finetune.train.evaluate import exact_match, heldout_loss
     from finetune.train.model import load_model, load_tokenizer
 
-    rec = recipe_mod.load(TINY_RECIPE, overrides(seed, steps, window))
+    rec = recipe_mod.load(TINY_RECIPE, [*overrides(seed, steps, window), *extra])
     # as `finetune eval` scores a run: with the precision its recipe.yaml holds (resolved for this machine)
     rec, _ = resolve_cpu_precision(rec, on_cpu=not torch.cuda.is_available())
     tok = load_tokenizer(rec.model)

@@ -20,12 +20,15 @@ def test_every_arm_is_scored_by_finetunes_eval(tmp_path):
     from finetune.train.lora import apply_lora
     from finetune.train.model import load_model, load_tokenizer
 
-    rec = recipe_mod.load(TINY_RECIPE, trl_sft.overrides(1, 4, 2))
+    # the scorer's path, not its length: 32 held-out rows, 4 of them generated
+    few = ("eval.exact_match_samples=4", "eval.max_new_tokens=8",
+           "data.eval_sources=[{path: 'builtin:tiny-instruct', split: eval, max_samples: 32}]")
+    rec = recipe_mod.load(TINY_RECIPE, [*trl_sft.overrides(1, 4, 2), *few])
     fresh = apply_lora(load_model(rec.model, rec.quantization, quiet=True), rec.lora, seed=1)
     fresh.save_pretrained(tmp_path / "adapter")
-    got = trl_sft.score(str(tmp_path / "adapter"), 1, 4, 2)
-    base = load_model(rec.model, rec.quantization, quiet=True).eval()
+    got = trl_sft.score(str(tmp_path / "adapter"), 1, 4, 2, few)
     scored, _ = resolve_cpu_precision(rec, on_cpu=not torch.cuda.is_available())  # as score's eval does
+    base = load_model(scored.model, scored.quantization, quiet=True).eval()
     with torch.no_grad():
         want = heldout_loss(base, prepare(rec.data, load_tokenizer(rec.model)).eval, scored)
     assert abs(got["eval_loss"] - want) < 2e-3 * want
