@@ -34,12 +34,12 @@ def plain_run(overrides: list[str], warmup: int, steps: int) -> dict:
     from finetune.data.prepare import prepare
     from finetune.util import builtin as tiny
 
-    from finetune.train.device import resolve_cpu_precision
+    from benchmarks.common import resolved_precision
     from finetune.util.dtypes import torch_dtype
 
     rec = recipe_mod.load(TINY_RECIPE, overrides)  # read for its numbers only; none of its code runs below
     # and the precision finetune resolves here: fp32 compute on a CPU without native bf16 (train.device)
-    rec, _ = resolve_cpu_precision(rec, on_cpu=not torch.cuda.is_available())
+    rec = resolved_precision(rec)
     t, lo = rec.train, rec.lora
     acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision)
     torch.manual_seed(t.seed)

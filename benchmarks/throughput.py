@@ -62,14 +62,10 @@ def finetune_run(extra: list[str], warmup: int, steps: int, torch_kernels: bool 
 def precision() -> str:
     """The autocast finetune resolves for the tiny recipe here: bf16, or no autocast (fp32) on a CPU
     without native bf16 (finetune.train.device); the plain loop is given the same."""
-    import torch
-
-    from benchmarks.common import TINY_RECIPE
+    from benchmarks.common import TINY_RECIPE, resolved_precision
     from finetune import recipe as recipe_mod
-    from finetune.train.device import resolve_cpu_precision
 
-    rec, _ = resolve_cpu_precision(recipe_mod.load(TINY_RECIPE), on_cpu=not torch.cuda.is_available())
-    return rec.train.mixed_precision
+    return resolved_precision(recipe_mod.load(TINY_RECIPE)).train.mixed_precision
 
 
 def run(reps: int = 5, warmup: int = 5, steps: int = 20) -> dict:

@@ -56,11 +56,9 @@ def overrides(seed: int, steps: int, window: int) -> list[str]:
 def recipe_numbers(rec) -> dict:
     """What TRL's side is configured from: the recipe's numbers, in Trainer's names where they differ, and
     the precision finetune resolves on this machine (fp32 compute on a CPU without native bf16)."""
-    import torch
+    from benchmarks.common import resolved_precision
 
-    from finetune.train.device import resolve_cpu_precision
-
-    rec, _ = resolve_cpu_precision(rec, on_cpu=not torch.cuda.is_available())
+    rec = resolved_precision(rec)
     t, lo = rec.train, rec.lora
     optim = {"paged_adamw_8bit": "paged_adamw_8bit", "adamw_8bit": "adamw_bnb_8bit",
              "adamw_torch": "adamw_torch"}[t.optimizer]
@@ -107,18 +105,16 @@ def score(adapter: str, seed: int, steps: int, window: int, extra: tuple = ()) -
     """Held-out loss and greedy exact match of base + adapter, finetune's `eval` scorer for every arm."""
     from peft import PeftModel
 
-    import torch
-
+    from benchmarks.common import resolved_precision
     from finetune import recipe as recipe_mod
     from finetune.data import encode
     from finetune.data.prepare import prepare
-    from finetune.train.device import resolve_cpu_precision
     from finetune.train.evaluate import exact_match, heldout_loss
     from finetune.train.model import load_model, load_tokenizer
 
     rec = recipe_mod.load(TINY_RECIPE, [*overrides(seed, steps, window), *extra])
     # as `finetune eval` scores a run: with the precision its recipe.yaml holds (resolved for this machine)
-    rec, _ = resolve_cpu_precision(rec, on_cpu=not torch.cuda.is_available())
+    rec = resolved_precision(rec)
     tok = load_tokenizer(rec.model)
     prepared = prepare(rec.data, tok)
     model = PeftModel.from_pretrained(load_model(rec.model, rec.quantization, quiet=True), adapter)

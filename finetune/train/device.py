@@ -101,7 +101,8 @@ def resolve_cpu_precision(recipe, on_cpu: bool, native_bf16: bool | None = None)
         return recipe, None
     slow = ("this CPU has no native bf16 matrix multiply (no AVX512/AMX: torch falls back to a scalar kernel, "
             "about 10x slower than fp32)")
-    if recipe.model.dtype != "float32" or "mixed_precision" in t.model_fields_set and t.mixed_precision == "bf16":
+    asked_bf16 = "mixed_precision" in t.model_fields_set and t.mixed_precision == "bf16"
+    if recipe.model.dtype != "float32" or asked_bf16:
         return recipe, (f"precision: {slow}; the recipe asks for bf16, so it is kept. For speed here: "
                         "model.dtype: float32, train.mixed_precision: no, quantization.compute_dtype: float32")
     train = t if "mixed_precision" in t.model_fields_set else t.model_copy(update={"mixed_precision": "no"})
