@@ -157,6 +157,11 @@ def test_cli_overrides_and_bad_input(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert len(losses(out)) >= 1 and json.loads((out / "metrics.jsonl").read_text().splitlines()[-2])["step"] == 2
     assert R.load(out / "recipe.yaml").train.max_steps == 2
+    # A first run's output holds no library warning the user cannot act on (train and eval, as the README runs them).
+    ev = run_cli(["eval", str(out), "--json"])
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    for text in (p.stderr, ev.stderr):
+        assert "Warning" not in text, text[-2000:]
     bad = tmp_path / "bad.yaml"
     cases = {
         "missing": (["does/not/exist.yaml"], "no such file"),
