@@ -1,8 +1,8 @@
 """The plain loop row 1 compares against: transformers + peft + accelerate + bitsandbytes, written the way
 their documentation shows a QLoRA loop, with finetune's tiny recipe's numbers.
 
-Same as finetune's run: the builtin tiny Llama in NF4 with double quantization (bf16 compute, fp32
-storage, fp32 non-quantized weights), LoRA r/alpha/dropout on all linear layers, the same tokenized
+Same as finetune's run: the builtin tiny Llama in NF4 with double quantization (bf16 compute, or fp32 on a
+CPU without native bf16 as finetune resolves it; fp32 storage, fp32 non-quantized weights), LoRA r/alpha/dropout on all linear layers, the same tokenized
 examples in the same order and micro-batch (padded to the longest in the batch), bitsandbytes' 8-bit AdamW
 with the recipe's hyper-parameters, cosine schedule, gradient clipping, bf16 autocast (here through
 Accelerate's mixed_precision, the plain way). What it does not share with finetune is the loop itself:
@@ -34,7 +34,12 @@ def plain_run(overrides: list[str], warmup: int, steps: int) -> dict:
     from finetune.data.prepare import prepare
     from finetune.util import builtin as tiny
 
+    from benchmarks.common import resolved_precision
+    from finetune.util.dtypes import torch_dtype
+
     rec = recipe_mod.load(TINY_RECIPE, overrides)  # read for its numbers only; none of its code runs below
+    # and the precision finetune resolves here: fp32 compute on a CPU without native bf16 (train.device)
+    rec = resolved_precision(rec)
     t, lo = rec.train, rec.lora
     acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision)
     torch.manual_seed(t.seed)
@@ -45,7 +50,8 @@ def plain_run(overrides: list[str], warmup: int, steps: int) -> dict:
     random.Random(rec.data.shuffle_seed * 1000).shuffle(examples)  # and finetune's epoch-0 order
 
     bnb_cfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                 bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.float32)
+                                 bnb_4bit_compute_dtype=torch_dtype(rec.quantization.compute_dtype),
+                                 bnb_4bit_quant_storage=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=bnb_cfg, dtype=torch.float32,
                                                  attn_implementation="sdpa")
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=rec.model.gradient_checkpointing,

@@ -24,12 +24,19 @@ def _guard(rows: dict, name: str, title: str, body) -> list[str]:
     return text + [""]
 
 
+def _precision(r: dict) -> str:
+    if r.get("precision", "bf16") == "bf16":
+        return "bf16 autocast"
+    return ("fp32 compute on both sides (no autocast: this CPU has no native bf16 matmul, so finetune computes in "
+            "fp32, and the plain loop is given the same)")
+
+
 def throughput(r: dict) -> list[str]:
     return [
         f"finetune's loop (`finetune.train.loop.train` on recipes/tiny_cpu.yaml, throughput read from its "
         f"metrics.jsonl) against a plain transformers + peft + accelerate + bitsandbytes loop "
         f"(benchmarks/baseline.py) with the same 4-bit model, LoRA, tokenized data and order, micro-batch, "
-        f"optimizer and bf16 autocast. {r['reps']} fresh runs each, alternating; per run {r['warmup_steps']} "
+        f"optimizer and {_precision(r)}. {r['reps']} fresh runs each, alternating; per run {r['warmup_steps']} "
         f"warm-up steps, then {r['timed_steps']} timed optimizer steps; {r.get('threads')} torch thread(s).",
         "",
         "| loop | trained tokens/s (median) | s per step (median) | samples (tokens/s) |", "|---|---|---|---|",
@@ -50,7 +57,7 @@ def throughput(r: dict) -> list[str]:
         "", "Same work on both sides: the first step's loss (LoRA B starts at zero, so it depends only on the "
             f"model and the batch) is {_f(r['first_loss']['finetune'], 7)} for finetune and "
             f"{_f(r['first_loss']['plain'], 7)} for the plain loop; they differ only by the rounding of the "
-            "bf16 attention kernels."]
+            + ("bf16 attention kernels." if r.get("precision", "bf16") == "bf16" else "fp32 sums, taken in another order.")]
 
 
 def packing(r: dict) -> list[str]:

@@ -59,14 +59,26 @@ def finetune_run(extra: list[str], warmup: int, steps: int, torch_kernels: bool 
             "first_loss": records[0]["loss"]}
 
 
+def precision() -> str:
+    """The autocast finetune resolves for the tiny recipe here: bf16, or no autocast (fp32) on a CPU
+    without native bf16 (finetune.train.device); the plain loop is given the same."""
+    from benchmarks.common import TINY_RECIPE, resolved_precision
+    from finetune import recipe as recipe_mod
+
+    return resolved_precision(recipe_mod.load(TINY_RECIPE)).train.mixed_precision
+
+
 def run(reps: int = 5, warmup: int = 5, steps: int = 20) -> dict:
     from benchmarks.baseline import plain_run
 
     steps = round_steps(warmup, steps)
     ctx = fork_context()
-    got = interleaved(ctx, {"finetune": (finetune_run, ([], warmup, steps)),
-                            "plain": (plain_run, (overrides(warmup, steps), warmup, steps)),
-                            "finetune_torch_kernels": (finetune_run, ([], warmup, steps, True))}, reps)
+    prec = precision()
+    arms = {"finetune": (finetune_run, ([], warmup, steps)),
+            "plain": (plain_run, (overrides(warmup, steps), warmup, steps))}
+    if prec == "bf16":  # the kernel choice it ablates is made for bf16 on CPU only (finetune.plan.attention)
+        arms["finetune_torch_kernels"] = (finetune_run, ([], warmup, steps, True))
+    got = interleaved(ctx, arms, reps)
     rate = {k: [r["tokens_per_s"] for r in v] for k, v in got.items()}
     ft, pl = rate["finetune"], rate["plain"]
     return {"throughput_ratio": median(ft) / median(pl),
@@ -75,8 +87,9 @@ def run(reps: int = 5, warmup: int = 5, steps: int = 20) -> dict:
             "plain_s_per_step": median([r["s_per_step"] for r in got["plain"]]),
             "pair_ratios": [a / b for a, b in zip(ft, pl)],
             # the ablation: finetune's loop with torch's own attention kernel choice, over the plain loop
-            "torch_kernels_ratio": median(rate["finetune_torch_kernels"]) / median(pl),
-            "samples": rate, "reps": reps, "warmup_steps": warmup, "timed_steps": steps,
+            **({"torch_kernels_ratio": median(rate["finetune_torch_kernels"]) / median(pl)}
+               if "finetune_torch_kernels" in rate else {}),
+            "precision": prec, "samples": rate, "reps": reps, "warmup_steps": warmup, "timed_steps": steps,
             "threads": got["finetune"][0]["threads"],
             "first_loss": {k: v[0]["first_loss"] for k, v in got.items()}}
 

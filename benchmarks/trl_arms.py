@@ -74,15 +74,17 @@ def _trl_config(s: dict, out: Path):
 
     r = s["recipe"]
     # The base exactly as finetune loads it (finetune.train.model.bnb_config / load_model): NF4, double
-    # quantization, bf16 compute, fp32 storage and fp32 non-quantized weights.
+    # quantization, fp32 storage and fp32 non-quantized weights, and the compute precision finetune resolves
+    # here (bf16; fp32 on a CPU without native bf16, where bf16 costs both sides 10x).
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.float32)
+                               bnb_4bit_compute_dtype=getattr(torch, r["compute_dtype"]),
+                               bnb_4bit_quant_storage=torch.float32)
     return SFTConfig(
         output_dir=str(out), max_steps=s["steps"], per_device_train_batch_size=r["micro_batch_size"],
         gradient_accumulation_steps=1, learning_rate=r["learning_rate"], lr_scheduler_type=r["lr_scheduler"],
         warmup_steps=r["warmup_steps"], weight_decay=r["weight_decay"], adam_beta1=r["adam_beta1"],
         adam_beta2=r["adam_beta2"], adam_epsilon=r["adam_epsilon"], max_grad_norm=r["max_grad_norm"],
-        optim=r["optimizer"], bf16=True, use_cpu=not torch.cuda.is_available(), seed=s["seed"],
+        optim=r["optimizer"], bf16=r["mixed_precision"] == "bf16", use_cpu=not torch.cuda.is_available(), seed=s["seed"],
         gradient_checkpointing=r["gradient_checkpointing"], max_length=r["max_seq_len"], packing=False,
         dataloader_drop_last=True, logging_steps=s["window"], save_strategy="no", eval_strategy="no",
         report_to="none", disable_tqdm=True, dataset_num_proc=None,

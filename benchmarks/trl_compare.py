@@ -90,18 +90,25 @@ ARM_NAMES = {"finetune": "finetune", "trl": "TRL SFTTrainer",
              "trl_fp32_adapters": "TRL SFTTrainer, fp32 adapters (ablation)"}
 
 
+def _autocast(recipe: dict) -> str:
+    if recipe.get("mixed_precision", "bf16") == "bf16":
+        return "bf16 autocast"
+    return ("no autocast (fp32 compute: finetune's choice on a CPU without native bf16, given to both sides; "
+            "the TRL docs' bf16=True would cost TRL 10x here)")
+
+
 def section(r: dict) -> list[str]:
     """RESULTS.md's section for row 7: the table of medians, every sample, the checks and the differences."""
     arms = list(r["arms"])
     lines = [
         f"finetune (`finetune.train.loop.train`, recipes/tiny_cpu.yaml with `train.max_steps={r['steps']}`) "
         f"against TRL {r.get('trl_version', '?')}'s `SFTTrainer` configured the way TRL's docs show QLoRA, on "
-        "the rows finetune's data preparation exported. Same 4-bit base (NF4, double quantization, bf16 "
-        f"compute, fp32 storage), LoRA r={r['recipe']['lora_r']} alpha={r['recipe']['lora_alpha']} on all "
+        "the rows finetune's data preparation exported. Same 4-bit base (NF4, double quantization, "
+        f"{r['recipe'].get('compute_dtype', 'bfloat16')} compute, fp32 storage), LoRA r={r['recipe']['lora_r']} alpha={r['recipe']['lora_alpha']} on all "
         f"linear layers, `{r['recipe']['optimizer']}` (bitsandbytes; on CPU neither pages), "
         f"lr {r['recipe']['learning_rate']} {r['recipe']['lr_scheduler']} with {r['recipe']['warmup_steps']} "
         f"warm-up steps, micro-batch {r['recipe']['micro_batch_size']}, clip {r['recipe']['max_grad_norm']}, "
-        f"bf16 autocast, gradient checkpointing {'on' if r['recipe']['gradient_checkpointing'] else 'off'} on "
+        f"{_autocast(r['recipe'])}, gradient checkpointing {'on' if r['recipe']['gradient_checkpointing'] else 'off'} on "
         f"both (the recipe's; SFTConfig's default is on), padding to the longest row of each micro-batch, "
         f"the last partial micro-batch dropped. Seeds {r['seeds']} (model seed and data order); each run a fresh interpreter, the arms "
         "alternating in order seed by seed. Tokens/s: trained tokens (labels != -100 after the shift) over "

@@ -26,8 +26,10 @@ from benchmarks.trl_compare import compare_batches, digest, loss_not_worse, spre
 ARMS = ["finetune", "trl", "trl_fp32_adapters"]
 DIFFERENCES = [
     "Adapter precision: SFTTrainer casts the LoRA weights of a quantized model to bf16 (so the 8-bit AdamW "
-    "updates bf16 weights); finetune keeps fp32 master weights under bf16 autocast. The ablation arm keeps "
-    "TRL's adapters in fp32.",
+    "updates bf16 weights), with bf16=False too; finetune keeps fp32 master weights. The ablation arm keeps "
+    "TRL's adapters in fp32. On a CPU without native bf16 the cast also puts TRL's LoRA matmuls on torch's "
+    "slow bf16 kernel (measured: about half the fp32 arm's tokens/s), so there the ablation arm is the "
+    "like-for-like speed comparison.",
     "Data order: each shuffles with its own sampler (finetune: `data.shuffle_seed` and the epoch; TRL: "
     "the Trainer's seeded RandomSampler). The rows are the same; the seed sets both tools' order.",
     "Loss and per-step metrics: SFTTrainer's fused LM head projects the hidden states through the head in "
@@ -52,7 +54,11 @@ def overrides(seed: int, steps: int, window: int) -> list[str]:
 
 
 def recipe_numbers(rec) -> dict:
-    """What TRL's side is configured from: the recipe's numbers, in Trainer's names where they differ."""
+    """What TRL's side is configured from: the recipe's numbers, in Trainer's names where they differ, and
+    the precision finetune resolves on this machine (fp32 compute on a CPU without native bf16)."""
+    from benchmarks.common import resolved_precision
+
+    rec = resolved_precision(rec)
     t, lo = rec.train, rec.lora
     optim = {"paged_adamw_8bit": "paged_adamw_8bit", "adamw_8bit": "adamw_bnb_8bit",
              "adamw_torch": "adamw_torch"}[t.optimizer]
@@ -62,7 +68,8 @@ def recipe_numbers(rec) -> dict:
             "adam_beta2": t.adam_beta2, "adam_epsilon": t.adam_epsilon, "max_grad_norm": t.max_grad_norm,
             "optimizer": optim, "gradient_checkpointing": rec.model.gradient_checkpointing,
             "max_seq_len": rec.data.max_seq_len, "lora_r": lo.r, "lora_alpha": lo.alpha,
-            "lora_dropout": lo.dropout, "target_modules": lo.target_modules}
+            "lora_dropout": lo.dropout, "target_modules": lo.target_modules,
+            "mixed_precision": t.mixed_precision, "compute_dtype": rec.quantization.compute_dtype}
 
 
 def export(seed: int, steps: int, window: int, tmp: Path) -> dict:
@@ -94,23 +101,27 @@ def run_arm(arm: str, settings: dict, out: Path, timeout: float, threads: int | 
     return last_json_line(proc.stdout)
 
 
-def score(adapter: str, seed: int, steps: int, window: int) -> dict:
+def score(adapter: str, seed: int, steps: int, window: int, extra: tuple = ()) -> dict:
     """Held-out loss and greedy exact match of base + adapter, finetune's `eval` scorer for every arm."""
     from peft import PeftModel
 
+    from benchmarks.common import resolved_precision
     from finetune import recipe as recipe_mod
+    from finetune.data import encode
     from finetune.data.prepare import prepare
     from finetune.train.evaluate import exact_match, heldout_loss
     from finetune.train.model import load_model, load_tokenizer
 
-    rec = recipe_mod.load(TINY_RECIPE, overrides(seed, steps, window))
+    rec = recipe_mod.load(TINY_RECIPE, [*overrides(seed, steps, window), *extra])
+    # as `finetune eval` scores a run: with the precision its recipe.yaml holds (resolved for this machine)
+    rec = resolved_precision(rec)
     tok = load_tokenizer(rec.model)
     prepared = prepare(rec.data, tok)
     model = PeftModel.from_pretrained(load_model(rec.model, rec.quantization, quiet=True), adapter)
     model.eval()
     return {"eval_loss": heldout_loss(model, prepared.eval, rec),
             "exact_match": exact_match(model, tok, prepared.eval_rows, rec.eval.exact_match_samples,
-                                       rec.eval.max_new_tokens)}
+                                       rec.eval.max_new_tokens, encode.chat_template(rec.data, tok))}
 
 
 def collators_agree(settings: dict, batches: int) -> dict:

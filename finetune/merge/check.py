@@ -99,6 +99,7 @@ def reference_model(src, target: str):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from finetune.merge.source import quant_spec
+    from finetune.train.lora import quiet_peft_wrap
 
     if target == "nf4":
         q = quant_spec(src.recipe)
@@ -115,7 +116,8 @@ def reference_model(src, target: str):
                 m.support_avx512bf16_for_cpu = False
     else:
         base = AutoModelForCausalLM.from_pretrained(src.base_dir, dtype=torch.float32)
-    return PeftModel.from_pretrained(base, src.adapter_dir)
+    with quiet_peft_wrap():
+        return PeftModel.from_pretrained(base, src.adapter_dir)
 
 
 def _logits_check(src, out_dir: Path, target: str) -> dict:

@@ -197,7 +197,9 @@ class TrainSpec(_Section):
     adam_epsilon: float = Field(1e-8, gt=0)
     """Adam's denominator term, for numerical stability."""
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
-    """Autocast dtype of the forward pass. Master weights and buffers stay in their stored dtype."""
+    """Autocast dtype of the forward pass. Master weights and buffers stay in their stored dtype. Left unset
+    on a CPU without native bf16 (no AVX512/AMX), a run computes in fp32 instead (`no`, and
+    quantization.compute_dtype float32): bf16 there runs about 10x slower and saves nothing."""
     loss_chunk_tokens: int = Field(0, ge=0)
     """Trained positions per chunk of the output head and cross-entropy. The loss never holds the logits of
     all positions: each chunk's logits are computed in the compute dtype, reduced to an fp32 log-sum-exp

@@ -25,6 +25,7 @@ def load_run(run_dir: Path, merged: bool = False):
     `merged`, the merged model in RUN_DIR/merged (or RUN_DIR itself when it is a merged model's dir)."""
     from peft import PeftModel
 
+    from finetune.train.lora import quiet_peft_wrap
     from finetune.train.model import load_model, load_tokenizer
 
     if merged:
@@ -39,7 +40,8 @@ def load_run(run_dir: Path, merged: bool = False):
                            "or set model.allow_pickle: true in its recipe.yaml"])
     tok = load_tokenizer(recipe.model, path=str(adapter))
     base = load_model(recipe.model, recipe.quantization, quiet=True)
-    model = PeftModel.from_pretrained(base, str(adapter))
+    with quiet_peft_wrap():
+        model = PeftModel.from_pretrained(base, str(adapter))
     model.eval()
     return recipe, tok, model
 

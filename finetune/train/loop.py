@@ -24,7 +24,8 @@ from finetune.recipe import Recipe
 from finetune.recipe.rundir import write_recipe
 from finetune.recipe.fingerprint import fingerprint
 from finetune.train import checkpoint, guard, runlock
-from finetune.train.distributed import gather_full_adapter_state, make_accelerator, prepare
+from finetune.train.device import resolve_cpu_precision
+from finetune.train.distributed import gather_full_adapter_state, has_accelerator_device, make_accelerator, prepare
 from finetune.train.lora import apply_lora, trainable_report
 from finetune.train.load import placement_for
 from finetune.train.loss import loss_totals
@@ -83,6 +84,10 @@ def train(recipe: Recipe, run_dir: Path, return_model: bool = False) -> dict:
 
 
 def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool = False) -> dict:
+    # Before anything reads the precision: the run dir's recipe.yaml, the fingerprint and eval see the resolved one.
+    recipe, note = resolve_cpu_precision(recipe, on_cpu=not has_accelerator_device())
+    if note:
+        log.info(note)
     run = setup(recipe, run_dir)
     resume(run)
     if run.acc.is_main_process:

@@ -1,6 +1,7 @@
 """LoRA spec -> peft config; apply it; keep the trainable weights in the adapter dtype (fp32 by default)."""
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -65,15 +66,22 @@ def peft_config(spec: LoraSpec, model=None):
     )
 
 
+@contextlib.contextmanager
+def quiet_peft_wrap():
+    """Around every PeftModel construction (get_peft_model, PeftModel.from_pretrained): peft 0.21 reads
+    transformers' deprecated `is_gradient_checkpointing` alias, and transformers 5 then prints a FutureWarning
+    that no user can act on; the value read is the same."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
 def apply_lora(model, spec: LoraSpec, seed: int):
     """Wrap the frozen base with fresh adapters. Seeded so adapter init is reproducible."""
     from peft import get_peft_model
 
     torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias, and transformers 5 then
-        # prints a FutureWarning on every run that no user can act on; the value read is the same.
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    with quiet_peft_wrap():
         model = get_peft_model(model, peft_config(spec, model), autocast_adapter_dtype=False)
     # Master copies of the trainable weights stay in the adapter dtype (fp32 default): the optimizer updates
     # them exactly while autocast does the matmuls in bf16.

@@ -38,7 +38,8 @@ def adapter(run_dir):
 
 
 def test_first_losses_are_pinned_and_fall(tmp_path):
-    r = tiny(tmp_path, train={"max_steps": 6})
+    # bf16 named: on a CPU without native bf16 the default would be fp32 compute (train.device).
+    r = tiny(tmp_path, train={"max_steps": 6, "mixed_precision": "bf16"})
     train(r, tmp_path / "run")
     got = losses(tmp_path / "run")
     # Pinned for seed 42 on the builtin tiny model (v4), micro-batch 8, nf4 + double quant, bf16 autocast.
@@ -73,7 +74,7 @@ def test_trainable_params_change_and_frozen_do_not(tmp_path):
 
 
 STRICT = {"mixed_precision": "no", "optimizer": "adamw_torch", "adam_epsilon": 1.0}
-DEFAULT = {}
+DEFAULT = {"mixed_precision": "bf16"}  # the GPU default, named: a CPU without native bf16 would compute in fp32
 
 
 @pytest.mark.parametrize("settings,rel", [
@@ -156,6 +157,11 @@ def test_cli_overrides_and_bad_input(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     assert len(losses(out)) >= 1 and json.loads((out / "metrics.jsonl").read_text().splitlines()[-2])["step"] == 2
     assert R.load(out / "recipe.yaml").train.max_steps == 2
+    # A first run's output holds no library warning the user cannot act on (train and eval, as the README runs them).
+    ev = run_cli(["eval", str(out), "--json"])
+    assert ev.returncode == 0, ev.stderr[-2000:]
+    for text in (p.stderr, ev.stderr):
+        assert "Warning" not in text, text[-2000:]
     bad = tmp_path / "bad.yaml"
     cases = {
         "missing": (["does/not/exist.yaml"], "no such file"),
@@ -182,7 +188,8 @@ def test_gradient_checkpointing_recomputes_the_same_training(tmp_path, capsys):
     training is the same as without checkpointing."""
     runs = {}
     for ck in (False, True):
-        r = tiny(tmp_path, name=f"ck-{ck}", model={"gradient_checkpointing": ck}, train={"max_steps": 3})
+        r = tiny(tmp_path, name=f"ck-{ck}", model={"gradient_checkpointing": ck},
+                 train={"max_steps": 3, "mixed_precision": "bf16"})
         train(r, tmp_path / f"ck-{ck}")
         runs[ck] = (losses(tmp_path / f"ck-{ck}"), adapter(tmp_path / f"ck-{ck}"))
     assert "math kernel" in capsys.readouterr().out  # the CPU bf16 kernel choice was in force

@@ -100,3 +100,4 @@ def test_summary_ratios_and_section_list_every_sample():
     assert "| 7 | finetune / TRL SFTTrainer" in report.summary_table(results)
     assert "**1.19x**, **0.982x**, **yes**" in report.summary_table(results)
     assert report.summary({**results, "meta": {}})["trl_tokens_per_s_ratio"] == r["tokens_per_s_ratio"]
+
