@@ -3,8 +3,9 @@ per process and per machine while the base model arrives, from shapes alone.
 
 One reader per machine (its local rank 0) reads one checkpoint tensor at a time:
 - a 4-bit target weight in blocks of rows of about PIECE elements (each read in the checkpoint dtype, cast
-  to model.dtype and quantized), its packed pieces concatenated at the end; the packed bytes then go whole
-  to every rank of the machine (the quantization state covers the whole weight);
+  to model.dtype and quantized); one process or replicas: its packed pieces concatenated at the end, then
+  sent whole to every rank of the machine; under FSDP (1 or 2), each piece's packed bytes go at once to the
+  ranks whose part they fall in (the quantization state, small, goes whole to every rank);
 - a plain tensor (embeddings, head, norms) whole, cast to model.dtype, and sent whole; except under FSDP
   (1 or 2), where the reader reads the rows of each rank's part alone and sends them to that rank alone.
 
@@ -42,7 +43,12 @@ def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int) -> tuple[int, int]:
     per_rank = shard > 1 and s.strategy == "fsdp"
     reader = received = 0
     for numel, four_bit in tensors(arch):
-        if four_bit and s.quant in ("nf4", "fp4"):
+        if four_bit and s.quant in ("nf4", "fp4") and per_rank:
+            # FSDP: each piece is sent on as it is quantized (train/packed.py): the reader holds one row
+            # block read and cast and its packed bytes; a rank receives only what it keeps
+            piece = min(numel, PIECE)
+            flight, got = piece * (CKPT_BYTES + mb) + piece // 2, 0
+        elif four_bit and s.quant in ("nf4", "fp4"):
             packed = (numel + 1) // 2
             # one row block read and cast, beside the packed pieces and their concatenation
             flight, got = min(numel, PIECE) * (CKPT_BYTES + mb) + 2 * packed, packed

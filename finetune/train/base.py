@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from finetune.train.load import Checkpoint, Placement, Stream, check_stored_config, materialize, release_freed_memory
+from finetune.train.packed import quantized_range
 from finetune.util.errors import RecipeError
 
 
@@ -163,12 +164,17 @@ def _fsdp2_params(model) -> dict:
 
 def _local_chunk(module, pname: str, rank: int, world: int) -> torch.Tensor:
     """This rank's dim-0 chunk of one parameter. A plain tensor (embedding, output head, norms) is sent
-    chunk by chunk, each rank receiving only its rows; a 4-bit weight is quantized whole on the reader
-    (quantization state covers the whole weight) and its packed bytes, a quarter of the bf16 size, are
-    broadcast and cut here."""
+    chunk by chunk, each rank receiving only its rows; a 4-bit weight's packed bytes likewise, as the
+    reader quantizes it piece by piece (packed.py; the quantization state goes whole to every rank). A
+    mesh that is not the placement's (no case today) gets the whole parameter, cut here."""
     stream, shape = module._finetune_stream, full_shape(module, pname)
     pl = stream.placement
     packed = hasattr(module, "_finetune_q") and pname == "weight"
+    if packed and (rank, world) == (pl.rank, pl.world):
+        size = -(-shape[0] // world)
+        spans = {r: (min(r * size, shape[0]), min((r + 1) * size, shape[0])) for r in stream._machine()}
+        local, module.quant_state = quantized_range(stream, module, pname, spans)
+        return local.view(-1, *shape[1:])
     if not packed and len(shape) and (rank, world) == (pl.rank, pl.world):
         return stream.plain_chunk(module._finetune_keys[pname], module._finetune_dtypes[pname], shape, rank, world)
     full = materialize(stream, module, pname)
@@ -183,7 +189,10 @@ def fill_fsdp2_shards(model) -> None:
     from torch.distributed.tensor import DTensor
 
     fsdp_params = _fsdp2_params(model)
-    for module, pname in list(_tagged(model)):
+    # Plain tensors first: the embedding and the head are the biggest reads, and their transients (the
+    # reader holds another rank's rows while it sends them) should come while little is held yet.
+    tagged = sorted(_tagged(model), key=lambda mp: hasattr(mp[0], "_finetune_q") and mp[1] == "weight")
+    for module, pname in tagged:
         fp = fsdp_params[(id(module), pname)]
         old = fp.sharded_param
         if not old._local_tensor.is_meta:

@@ -14,8 +14,8 @@ parameter, this rank's `_shard_param_infos`) is all the fill needs:
   parameters are real after `param_init_fn` (see the function).
 - `fill_shards` (after `prepare`): for every flat parameter, in the same order on every rank, this rank's
   slice: plain tensors as the few rows covering it (the reader sends each rank its elements alone), 4-bit
-  weights quantized on the reader and their packed bytes broadcast (the quantization state is set whole on
-  every rank), LoRA from the stash. FSDP1's padding stays zero.
+  weights quantized on the reader piece by piece, each rank sent the packed bytes of its slice alone
+  (packed.py; the quantization state is set whole on every rank), LoRA from the stash. FSDP1's padding stays zero.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ import contextlib
 
 import torch
 
-from finetune.train.load import materialize, release_freed_memory
+from finetune.train.load import release_freed_memory
+from finetune.train.packed import quantized_range
 
 
 def swap_storage(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
@@ -142,8 +143,8 @@ def _part(module, pname: str, param, spans: dict, info) -> torch.Tensor | None:
         raise RuntimeError(f"FSDP1: {type(module).__name__}.{pname} is on meta and neither loaded nor stashed")
     stream = module._finetune_stream
     if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
-        whole = materialize(stream, module, pname)  # sets module.quant_state on every rank
-        param.quant_state = module.quant_state
-        return whole.data.reshape(-1)[mine[0]:mine[1]].clone() if mine else None
+        local, qs = quantized_range(stream, module, pname, spans)  # the quantization state whole on every rank
+        module.quant_state = param.quant_state = qs
+        return local if mine else None
     return stream.plain_range(module._finetune_keys[pname], module._finetune_dtypes[pname],
                               module._finetune_shapes[pname], spans)

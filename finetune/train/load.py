@@ -4,8 +4,9 @@ The model is built on the meta device from config.json (transformers' own bitsan
 the target linears for `Linear4bit`, exactly as `from_pretrained` does). Then the checkpoint's safetensors
 are read one tensor at a time by one reader per machine (its local rank 0); each linear weight is quantized
 on the reader's device, in blocks of rows (or, for a pre-quantized `*-bnb-4bit` checkpoint, its packed bytes
-and quantization state are read as stored) and broadcast to the machine's other ranks, which keep what their
-placement says (under FSDP2 a plain tensor is instead sent to each rank as its own rows only):
+and quantization state are read as stored). One process, or replicas, receive every tensor whole (a
+broadcast); under FSDP each rank is sent only its part of every tensor, packed 4-bit bytes included, as it
+is read or quantized (packed.py):
 
 - `whole` (one process, or replicas): every tensor is set at once; the bf16 weights are never all held,
   only one tensor at a time.
@@ -271,40 +272,72 @@ def quantize(weight: torch.Tensor, module) -> tuple[torch.Tensor, object]:
 
 
 def quantize_from(ckpt: Checkpoint, key: str, module, dtype: torch.dtype, device) -> tuple[torch.Tensor, object]:
-    """`quantize` of the checkpoint's weight `key`, read in blocks of rows of about QUANT_CHUNK elements, so
-    the reader never holds the whole unquantized weight either. A block must be a whole number of
-    quantization blocks for the result to equal quantize_4bit's; when the row length does not allow it
-    (no real model's), the weight is read whole."""
+    """`quantize` of the checkpoint's weight `key`, read piece by piece (read_pieces), so the reader never
+    holds the whole unquantized weight either."""
+    pieces = read_pieces(ckpt, key, module, dtype, device)
+    return quantize_pieces(pieces, torch.Size((module.out_features, module.in_features)), dtype, device, module)
+
+
+def piece_bounds(module) -> tuple[bool, list[tuple[int, int]]]:
+    """(by rows, the [start, stop) flat element ranges) of the pieces a 4-bit weight is quantized in: blocks
+    of whole rows of about QUANT_CHUNK elements, read alone. A block must be a whole number of quantization
+    blocks for the result to equal quantize_4bit's; when the row length does not allow it (no real
+    model's), QUANT_CHUNK elements at a time of the weight read whole. Every rank can compute them."""
     rows, cols = module.out_features, module.in_features
     step = max(1, QUANT_CHUNK // cols)
     if (step * cols) % module._finetune_q["blocksize"]:
-        return quantize(ckpt.read(key).to(device, dtype), module)
-    pieces = (ckpt.read_rows(key, s, min(s + step, rows)).to(device, dtype).reshape(-1) for s in range(0, rows, step))
-    return quantize_pieces(pieces, torch.Size((rows, cols)), dtype, device, module)
+        n = rows * cols
+        return False, [(a, min(a + QUANT_CHUNK, n)) for a in range(0, n, QUANT_CHUNK)]
+    return True, [(s * cols, min(s + step, rows) * cols) for s in range(0, rows, step)]
+
+
+def read_pieces(ckpt: Checkpoint, key: str, module, dtype: torch.dtype, device):
+    """The pieces of `piece_bounds`, read, cast and flattened, one at a time."""
+    by_rows, bounds = piece_bounds(module)
+    if by_rows:
+        cols = module.in_features
+        for a, b in bounds:
+            yield ckpt.read_rows(key, a // cols, b // cols).to(device, dtype).reshape(-1)
+        return
+    flat = ckpt.read(key).to(device, dtype).reshape(-1)
+    for a, b in bounds:
+        yield flat[a:b]
 
 
 def quantize_pieces(pieces, shape: torch.Size, dtype: torch.dtype, device, module) -> tuple[torch.Tensor, object]:
     """quantize_4bit of the weight whose flat elements are the concatenation of `pieces`, each (but the
     last) a whole number of quantization blocks."""
-    import bitsandbytes.functional as F
-
-    q = module._finetune_q
     packed, absmax = [], []
     for piece in pieces:
-        p, a = torch.ops.bitsandbytes.quantize_4bit.default(piece, q["blocksize"], q["quant_type"],
-                                                             q["quant_storage"])
+        p, a = quantize_piece(piece, module)
         packed.append(p)
         absmax.append(a)
         del piece, p, a
-        trim_heap()  # the kernel's ~13 bytes/element of temporaries (see quantize), freed but kept by malloc
-    packed, absmax = torch.cat(packed), torch.cat(absmax)
+    return torch.cat(packed), quant_state(absmax, shape, dtype, device, module)
+
+
+def quantize_piece(piece: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed, absmax) of one block-aligned piece: bitsandbytes' first quantization level alone."""
+    q = module._finetune_q
+    p, a = torch.ops.bitsandbytes.quantize_4bit.default(piece, q["blocksize"], q["quant_type"], q["quant_storage"])
+    trim_heap()  # the kernel's ~13 bytes/element of temporaries (see quantize), freed but kept by malloc
+    return p, a
+
+
+def quant_state(absmax: list, shape: torch.Size, dtype: torch.dtype, device, module):
+    """The QuantState of a weight from its pieces' absmax: the second level (double quantization: the absmax
+    minus its mean, in blocks of 256) runs once on the whole absmax, as bitsandbytes runs it."""
+    import bitsandbytes.functional as F
+
+    q = module._finetune_q
+    absmax = torch.cat(absmax)
     code = F.get_4bit_type(q["quant_type"], device=device)
     common = dict(shape=shape, dtype=dtype, blocksize=q["blocksize"], code=code, quant_type=q["quant_type"])
     if not q["compress_statistics"]:
-        return packed, F.QuantState(absmax=absmax, **common)
+        return F.QuantState(absmax=absmax, **common)
     offset = absmax.mean()
     qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
-    return packed, F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **common)
+    return F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **common)
 
 
 def release_freed_memory() -> None:

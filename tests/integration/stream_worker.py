@@ -6,7 +6,7 @@ with LoRA as training does, and saves what this rank holds of the 4-bit base to 
   elements the shard holds (FSDP1's own shard bookkeeping);
 - logits of a fixed batch (rank 0).
 
-    torchrun --standalone --nproc_per_node 2 stream_worker.py OUT MODEL_DIR --version 2 [--no-quantize]
+    torchrun --standalone --nproc_per_node 2 stream_worker.py OUT MODEL_DIR --version 2 [--no-quantize] [--quant-chunk N]
 """
 from __future__ import annotations
 
@@ -63,7 +63,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--version", type=int, default=2)
     ap.add_argument("--strategy", default="fsdp")
     ap.add_argument("--no-quantize", action="store_true")
+    ap.add_argument("--quant-chunk", type=int, default=0, help="the loader's QUANT_CHUNK (0: its own)")
     args = ap.parse_args(argv)
+    if args.quant_chunk:  # small pieces: a rank's part begins and ends inside a piece
+        from finetune.train import load
+
+        load.QUANT_CHUNK = args.quant_chunk
     if args.no_quantize:  # a pre-quantized checkpoint must load without bitsandbytes quantizing anything
         import bitsandbytes.functional as F
 
@@ -72,7 +77,9 @@ def main(argv: list[str]) -> int:
         F.quantize_4bit = refuse
         from finetune.train import load
 
-        load.quantize = refuse  # the loader's own (piecewise) quantization
+        from finetune.train import packed
+
+        load.quantize = load.quantize_piece = packed.quantize_piece = refuse  # the loader's own (piecewise)
 
     from finetune.recipe import DistributedSpec, FsdpSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
     from finetune.train import distributed as D

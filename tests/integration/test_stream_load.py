@@ -92,8 +92,13 @@ def _assert_fsdp2_chunks(ref: dict, ranks: list[dict]) -> None:
     torch.testing.assert_close(ranks[0]["logits"], ranks[1]["logits"])
 
 
+# Pieces of 24 rows of 256 (QUANT_CHUNK 6144 elements) against the reference's one piece per weight: the
+# packed bytes are the same, and a rank's part of a weight begins or ends inside a piece.
+SMALL_PIECES = ("--quant-chunk", str(3 * 2**11))
+
+
 def test_fsdp2_ranks_hold_their_chunk_of_one_process_load(tmp_path, reference):
-    ranks = _run(tmp_path, SYNTH, 2, "--version", "2")
+    ranks = _run(tmp_path, SYNTH, 2, "--version", "2", *SMALL_PIECES)
     _assert_fsdp2_chunks(reference[0], ranks)
     assert [r["reader"] for r in ranks] == [0, 0]  # one machine: rank 0 reads for both
 
@@ -109,7 +114,7 @@ def test_one_reader_per_machine(tmp_path, reference):
 def test_fsdp1_flat_shards_are_slices_of_one_process_load(tmp_path, reference):
     _, model = reference
     whole = {n: p.detach().contiguous().view(-1).view(torch.uint8) for n, p in model.named_parameters()}
-    ranks = _run(tmp_path, SYNTH, 2, "--version", "1")
+    ranks = _run(tmp_path, SYNTH, 2, "--version", "1", *SMALL_PIECES)
     seen = set()
     for facts in ranks:
         for unit in facts["fsdp1"]:
@@ -144,6 +149,7 @@ def test_prequantized_checkpoint_loads_without_quantizing(tmp_path, model_dir, r
         raise AssertionError("quantize_4bit was called")
     monkeypatch.setattr(F, "quantize_4bit", refuse)
     monkeypatch.setattr(load, "quantize", refuse)  # the loader's own (piecewise) quantization
+    monkeypatch.setattr(load, "quantize_piece", refuse)
     one = load_model(ModelSpec(name=str(pre), gradient_checkpointing=False), QuantizationSpec(), quiet=True)
     got = stream_worker.fsdp2_holdings(one)
     for name, whole in ref.items():
