@@ -33,7 +33,7 @@ def tensors(arch: Arch) -> list[tuple[int, bool]]:
     return lin + emb
 
 
-PIECE = 2**20  # train/load.QUANT_CHUNK: elements of a 4-bit weight read and quantized at once
+PIECE = 2**18  # train/load.QUANT_CHUNK: elements of a 4-bit weight read and quantized at once
 
 
 def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int) -> tuple[int, int]:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from finetune.train import tensorfile
 from finetune.util.errors import RecipeError
 
 PLACEMENTS = ("whole", "fsdp1", "fsdp2")
@@ -73,8 +74,6 @@ class Checkpoint:
     """The tensors of a safetensors checkpoint directory, by key, read one at a time."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
-
         self.path = path
         index = path / "model.safetensors.index.json"
         if index.exists():
@@ -82,8 +81,8 @@ class Checkpoint:
         else:
             self.where = {}
             for f in sorted(path.glob("*.safetensors")):
-                with safe_open(f, framework="pt") as h:
-                    self.where.update({k: f for k in h.keys()})
+                self.where.update({k: f for k in tensorfile.header(f)[1]})
+        self.headers: dict[Path, tuple[int, dict]] = {}  # file -> tensorfile.header, read once
         self.prequantized = any(_QS_PREFIX in k for k in self.where)
         self.stacked: dict[str, list[list[str]]] = {}  # fused MoE expert parameter -> its per-expert keys
         self.renamed: dict[str, str] = {}  # model key -> the checkpoint's spelling
@@ -108,34 +107,28 @@ class Checkpoint:
         return False
 
     def read(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if key in self.stacked:
             return self.read_rows(key, 0, len(self.stacked[key]))
-        key = self.renamed.get(key, key)
-
-        # A fresh handle per tensor: safetensors maps the whole file, and every page a read touches stays
-        # in this process's RSS until the map closes; reading the model through one open handle would end
-        # with the whole checkpoint counted in rank 0's RSS. get_tensor copies out of the map.
-        with safe_open(self.where[key], framework="pt") as h:
-            return h.get_tensor(key)
+        return self._file_read(self.renamed.get(key, key))
 
     def read_rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of tensor `key` (dim 0), read without reading the rest of it. A stacked expert
         parameter's rows are experts: each is read from its parts (gate and up concatenated, as
         transformers' MergeModulelist + Concatenate build it)."""
-        from safetensors import safe_open
-
         if key in self.stacked:
             parts = self.stacked[key][start:stop]
             if not parts:  # a rank past the last expert (more ranks than experts): an empty chunk
                 one = torch.cat([self.read(k) for k in self.stacked[key][0]], dim=0)
                 return one.new_empty((0, *one.shape))
             return torch.stack([torch.cat([self.read(k) for k in expert], dim=0) for expert in parts])
-        key = self.renamed.get(key, key)
+        return self._file_read(self.renamed.get(key, key), start, stop)
 
-        with safe_open(self.where[key], framework="pt") as h:
-            return h.get_slice(key)[start:stop]
+    def _file_read(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """A copy in this process's memory, never a view of a map of the file (see tensorfile.py)."""
+        f = self.where[key]
+        if f not in self.headers:
+            self.headers[f] = tensorfile.header(f)
+        return tensorfile.read_rows(f, self.headers[f], key, start, stop)
 
     def quant_stats(self, key: str) -> dict:
         """The stored quantization state of the packed weight `key` (a `*-bnb-4bit` checkpoint)."""
@@ -251,7 +244,7 @@ class Stream:
         return self.ckpt.read_rows(key, lo, max(lo, hi)).reshape(-1)[start - lo * row:stop - lo * row]
 
 
-QUANT_CHUNK = 2**20  # elements quantized at once: a multiple of every block size and storage width
+QUANT_CHUNK = 2**18  # elements quantized at once: a multiple of every block size and storage width
 
 
 def quantize(weight: torch.Tensor, module) -> tuple[torch.Tensor, object]:
