@@ -171,9 +171,8 @@ def _local_chunk(module, pname: str, rank: int, world: int) -> torch.Tensor:
     pl = stream.placement
     packed = hasattr(module, "_finetune_q") and pname == "weight"
     if packed and (rank, world) == (pl.rank, pl.world):
-        size = -(-shape[0] // world)
-        spans = {r: (min(r * size, shape[0]), min((r + 1) * size, shape[0])) for r in stream._machine()}
-        local, module.quant_state = quantized_range(stream, module, pname, spans)
+        # the packed weight is stored (elements, 1): its dim-0 chunks are ranges of packed elements
+        local, module.quant_state = quantized_range(stream, module, pname, stream.chunk_spans(shape, world))
         return local.view(-1, *shape[1:])
     if not packed and len(shape) and (rank, world) == (pl.rank, pl.world):
         return stream.plain_chunk(module._finetune_keys[pname], module._finetune_dtypes[pname], shape, rank, world)

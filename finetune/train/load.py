@@ -75,14 +75,15 @@ class Checkpoint:
 
     def __init__(self, path: Path):
         self.path = path
+        self.headers: dict[Path, tuple[int, dict]] = {}  # file -> tensorfile.header, read once
         index = path / "model.safetensors.index.json"
         if index.exists():
             self.where = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
         else:
             self.where = {}
             for f in sorted(path.glob("*.safetensors")):
-                self.where.update({k: f for k in tensorfile.header(f)[1]})
-        self.headers: dict[Path, tuple[int, dict]] = {}  # file -> tensorfile.header, read once
+                self.headers[f] = tensorfile.header(f)
+                self.where.update({k: f for k in self.headers[f][1]})
         self.prequantized = any(_QS_PREFIX in k for k in self.where)
         self.stacked: dict[str, list[list[str]]] = {}  # fused MoE expert parameter -> its per-expert keys
         self.renamed: dict[str, str] = {}  # model key -> the checkpoint's spelling
@@ -200,11 +201,15 @@ class Stream:
     def plain_chunk(self, key: str, dtype: torch.dtype, shape: tuple, index: int, parts: int) -> torch.Tensor:
         """torch.chunk(whole, parts)[index] (empty past the last chunk) of the plain tensor `key`, on this
         rank, for FSDP2. `index`/`parts` equal this process's rank/world (the caller checks)."""
-        rows = shape[0]
-        size, row = -(-rows // parts), torch.Size(shape[1:]).numel()
-        spans = {r: (min(r * size, rows) * row, min((r + 1) * size, rows) * row) for r in self._machine()}
-        part = self.plain_range(key, dtype, shape, spans)
+        part = self.plain_range(key, dtype, shape, self.chunk_spans(shape, parts))
         return part.view(-1, *shape[1:])
+
+    def chunk_spans(self, shape: tuple, parts: int) -> dict[int, tuple[int, int]]:
+        """Each rank of this machine -> the flat element range [start, stop) of its torch.chunk(dim 0) of a
+        tensor of `shape` cut in `parts` (empty past the last chunk)."""
+        rows, row = shape[0], torch.Size(shape[1:]).numel()
+        size = -(-rows // parts)
+        return {r: (min(r * size, rows) * row, min((r + 1) * size, rows) * row) for r in self._machine()}
 
     def _machine(self) -> range:
         pl = self.placement
