@@ -88,6 +88,10 @@ def save(root: Path, step: int, *, rank: int, world: int, barrier, adapter: tupl
     tmp = root / f".tmp-step-{step}"
     try:
         if rank == 0:
+            # Prune before writing as well as after: a run killed between a rename and its prune left keep+1
+            # checkpoints, and each resumed run killed at that moment again would add one more (the disk
+            # fills). Pruning first bounds the count at keep+1 whenever a kill lands.
+            prune(root, keep)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         barrier()

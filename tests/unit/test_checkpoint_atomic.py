@@ -129,6 +129,24 @@ def test_a_write_that_fails_midway_leaves_no_checkpoint_that_looks_complete(tmp_
     assert C.latest(tmp_path) == tmp_path / "step-2"
 
 
+def test_a_kill_between_rename_and_prune_never_leaves_more_than_keep_plus_one(tmp_path, monkeypatch):
+    """Runs killed right after a checkpoint's rename, before its prune, left keep+1 checkpoints each time;
+    the next save prunes first, so the count stays at keep+1 however often that moment is hit."""
+    for step in (1, 2, 3, 4):  # what earlier runs killed at that moment would have left behind
+        save(tmp_path, step, keep=10)
+    real_replace = C.atomic.replace_dir
+
+    def rename_then_die(tmp, final):
+        real_replace(tmp, final)
+        raise KeyboardInterrupt  # stands in for SIGKILL: nothing after the rename runs
+
+    monkeypatch.setattr(C.atomic, "replace_dir", rename_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        save(tmp_path, 5)
+    assert [s for s, _ in C.list_checkpoints(tmp_path)] == [3, 4, 5]
+    assert_every_visible_checkpoint_loads(tmp_path)
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_never_leaves_a_partial_checkpoint(tmp_path):
     """A child saves checkpoints back to back (keep=2, so it also prunes); it is SIGKILLed at 25 seeded
