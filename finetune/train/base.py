@@ -13,7 +13,14 @@ from pathlib import Path
 
 import torch
 
-from finetune.train.load import Checkpoint, Placement, Stream, check_stored_config, materialize, release_freed_memory
+from finetune.train.heap import loading_objects_only, release_freed_memory
+from finetune.train.load import (
+    Checkpoint,
+    Placement,
+    Stream,
+    check_stored_config,
+    materialize,
+)
 from finetune.train.packed import quantized_range
 from finetune.util.errors import RecipeError
 
@@ -70,6 +77,7 @@ def tag_parameters(model, ckpt: Checkpoint) -> list[tuple[torch.nn.Module, str]]
     return out
 
 
+@loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
 def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement, attn: str, trust: bool):
     """The frozen base for `placement` (see load.py). `bnb`: a 4-bit BitsAndBytesConfig or None."""
     ckpt = Checkpoint(path)
@@ -181,6 +189,7 @@ def _local_chunk(module, pname: str, rank: int, world: int) -> torch.Tensor:
     return chunks[rank].clone() if rank < len(chunks) else full.data.new_empty((0, *full.shape[1:]))
 
 
+@loading_objects_only()
 def fill_fsdp2_shards(model) -> None:
     """After `fully_shard` on the meta placeholders: stream every tagged parameter and keep this rank's dim-0
     chunk, exactly the rows `fully_shard` would have kept of the whole tensor (torch.chunk; the last rank's

@@ -23,7 +23,7 @@ import contextlib
 
 import torch
 
-from finetune.train.load import release_freed_memory
+from finetune.train.heap import loading_objects_only, release_freed_memory
 from finetune.train.packed import quantized_range
 
 
@@ -81,6 +81,7 @@ def meta_wrapping():
         _init_utils._get_compute_device, FlatParamHandle.flat_param_to = compute_device, flat_param_to
 
 
+@loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
 def fill_shards(model) -> None:
     """Give every FlatParameter still on meta its real local shard (see the module doc). Collective: every
     rank walks the same units and parameters in the same order."""

@@ -2,7 +2,9 @@
 in backward, what is cheap to recompute instead of keeping it for the whole backward pass.
 
 - RMSNorm keeps an fp32 upcast of its input (4 bytes an element) for backward; here it keeps the input
-  itself, which is the checkpointed layer input for the first norm of each layer (already held).
+  itself, which is the checkpointed layer input for the first norm of each layer (already held). An fp32
+  input is its own upcast: the stock norm then keeps nothing more (but a rsqrt per row), so it runs as it
+  is, with no recomputation to pay for (CPU runs in fp32, where this was ~6% of the tiny recipe's step).
 - The gated MLP keeps the gate projection, the activation's output and the up projection; here it keeps
   the two projections and recomputes the activation.
 
@@ -42,7 +44,13 @@ class _Recompute(torch.autograd.Function):
 
 def _lean_norm(module):
     stock = type(module).forward.__get__(module)
-    return lambda hidden_states: _Recompute.apply(stock, hidden_states)
+
+    def forward(hidden_states):
+        if hidden_states.dtype == torch.float32:  # its own fp32 upcast: stock keeps the same (see above)
+            return stock(hidden_states)
+        return _Recompute.apply(stock, hidden_states)
+
+    return forward
 
 
 def _lean_mlp(module):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from finetune.train import tensorfile
+from finetune.train.heap import trim_heap
 from finetune.util.errors import RecipeError
 
 PLACEMENTS = ("whole", "fsdp1", "fsdp2")
@@ -336,30 +337,6 @@ def quant_state(absmax: list, shape: torch.Size, dtype: torch.dtype, device, mod
     offset = absmax.mean()
     qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
     return F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **common)
-
-
-def release_freed_memory() -> None:
-    """Give the memory of the tensors just dropped back to the OS. A loaded tensor is freed right after its
-    shard is kept, but (measured on CPU) the process keeps most of it: some go only with Python's cycle
-    collector (bitsandbytes' parameter and state objects), and glibc keeps freed mid-size blocks in its
-    heap once its mmap threshold has grown to the largest tensor freed so far. Without this, a rank's RSS
-    after loading its half of a model was two to three times that half."""
-    import gc
-
-    gc.collect()
-    trim_heap()
-
-
-def trim_heap() -> None:
-    """glibc's malloc_trim: return the heap's free pages to the OS. Measured on the reader: without a trim
-    after each piece, quantizing one 5632 x 2048 weight left the heap ~90 MiB larger (four times the bf16
-    weight: each piece's temporaries landed beside the pieces kept), most of a reader's extra peak."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def materialize(stream: Stream, module, pname: str):

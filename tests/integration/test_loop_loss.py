@@ -183,16 +183,18 @@ def test_lean_norms_and_mlps_give_the_stock_loss_and_gradients(tiny_model_dir):
     assert lean_saved < saved
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amp", [False, True])
-def test_each_lean_module_is_the_stock_one_bit_for_bit(amp):
+def test_each_lean_module_is_the_stock_one_bit_for_bit(amp, dtype):
+    # bf16 inputs are the GPU recipes' residual stream: the lean norm recomputes there (fp32 runs it as is)
     from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
 
     from finetune.train import lean
 
     torch.manual_seed(0)
     for module in (LlamaRMSNorm(64), LlamaMLP(LlamaConfig(hidden_size=64, intermediate_size=128))):
-        module.requires_grad_(False)
-        x = torch.randn(8, 64, requires_grad=True)
+        module.to(dtype).requires_grad_(False)
+        x = torch.randn(8, 64, dtype=dtype, requires_grad=True)
         outs, grads = [], []
         for step in ("stock", "lean"):
             if step == "lean":
@@ -204,6 +206,40 @@ def test_each_lean_module_is_the_stock_one_bit_for_bit(amp):
             grads.append(x.grad)
             x.grad = None
         assert torch.equal(outs[0], outs[1]) and torch.equal(grads[0], grads[1]), type(module).__name__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_norm_keeps_only_its_input(dtype):
+    """Beyond its input, the stock RMSNorm saves an fp32 upcast of it for backward (bf16 input) or, when
+    the input is fp32 and so its own upcast, only a rsqrt per row; the lean norm saves nothing beyond its
+    input, by recomputing in the first case and by running the stock norm in the second."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from finetune.train import lean
+
+    norm = LlamaRMSNorm(64).to(dtype).requires_grad_(False)
+    x = torch.randn(32, 64, dtype=dtype, requires_grad=True)
+
+    def saved_beyond_input() -> int:
+        extra = {}
+
+        def pack(t):
+            if t.data_ptr() not in (x.data_ptr(), norm.weight.data_ptr()):
+                extra[t.data_ptr()] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = norm(x)  # what is kept from the forward to the backward (not the recomputation's own)
+        y.sum().backward()
+        return sum(extra.values())
+
+    stock = saved_beyond_input()
+    assert lean.apply(norm) == 1
+    leaned = saved_beyond_input()
+    if dtype == torch.float32:
+        assert stock == leaned == 32 * 4  # the rsqrt only: nothing for a recomputation to save
+    else:
+        assert stock >= 32 * 64 * 4 and leaned == 0
 
 
 def test_lean_modules_run_under_module_trackers():

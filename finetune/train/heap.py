@@ -1,0 +1,56 @@
+"""Handing the memory a load frees back to the OS, and keeping that cheap (train.load, train.base,
+train.fsdp1): Python's cycle collector for the objects a loaded weight leaves in cycles, glibc's
+malloc_trim for the heap pages it keeps.
+"""
+from __future__ import annotations
+
+import contextlib
+
+
+def release_freed_memory() -> None:
+    """Give the memory of the tensors just dropped back to the OS. A loaded tensor is freed right after its
+    shard is kept, but (measured on CPU) the process keeps most of it: some go only with Python's cycle
+    collector (bitsandbytes' parameter and state objects), and glibc keeps freed mid-size blocks in its
+    heap once its mmap threshold has grown to the largest tensor freed so far. Without this, a rank's RSS
+    after loading its half of a model was two to three times that half. Called once a weight: callers
+    hold `loading_objects_only()` around the loop so each collection is cheap."""
+    import gc
+
+    gc.collect()
+    trim_heap()
+
+
+_frozen_depth = 0
+
+
+@contextlib.contextmanager
+def loading_objects_only():
+    """While active, Python's cycle collector sees only objects made since it began (gc.freeze): a full
+    collection over everything the libraries import (~500k objects with transformers 5) took 0.26 s, paid
+    once a weight by `release_freed_memory` (10 s of the tiny model's 39-weight load; minutes at 70B);
+    over what loading makes it takes well under 1 ms. Objects alive before never become loading's garbage,
+    so nothing collectable is hidden. Nests; the outermost exit unfreezes."""
+    import gc
+
+    global _frozen_depth
+    if _frozen_depth == 0:
+        gc.freeze()
+    _frozen_depth += 1
+    try:
+        yield
+    finally:
+        _frozen_depth -= 1
+        if _frozen_depth == 0:
+            gc.unfreeze()
+
+
+def trim_heap() -> None:
+    """glibc's malloc_trim: return the heap's free pages to the OS. Measured on the reader: without a trim
+    after each piece, quantizing one 5632 x 2048 weight left the heap ~90 MiB larger (four times the bf16
+    weight: each piece's temporaries landed beside the pieces kept), most of a reader's extra peak."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
