@@ -5,6 +5,7 @@ SDPA kernel that finetune.plan.attention's rule picks for the batch.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +41,7 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec,
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != encode.IGNORE  # position t predicts token t + 1
     targets = labels[:, 1:][keep[:, :-1]]
-    base = extract_model_from_parallel(model)
+    base = unwrapped(model)
     if not getattr(base, "_finetune_lean", False):  # once per model: memory-lean norms and MLPs
         lean.apply(base)
         base._finetune_lean = True
@@ -57,6 +58,22 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec,
         _check_head_called(base, [])
     loss = F.cross_entropy(logits.float(), targets, reduction="sum")  # fp32 loss under bf16 autocast
     return loss, targets.numel()
+
+
+_UNWRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def unwrapped(model):
+    """accelerate's `extract_model_from_parallel`, worked out once per model: at accelerate 1.15 each call
+    walks every module (`has_compiled_regions`), ~1% of the tiny CPU recipe's step when done per
+    micro-batch. Both sides are weak references: the cache keeps no model alive (the unwrapped model is
+    often the model itself)."""
+    ref = _UNWRAPPED.get(model)
+    base = ref() if ref is not None else None
+    if base is None:
+        base = extract_model_from_parallel(model)
+        _UNWRAPPED[model] = weakref.ref(base)
+    return base
 
 
 def _check_head_called(base, called: list):
@@ -204,7 +221,7 @@ def trained_rows_only(model, keep: torch.Tensor):
     activation of a large-vocabulary model (Llama 3: 128k x 4 bytes per position in fp32). A forward
     pre-hook on the head keeps this inside the model's own forward, so FSDP's hooks (which gather the
     head's weights) run exactly as they do without it."""
-    head = extract_model_from_parallel(model).get_output_embeddings()
+    head = unwrapped(model).get_output_embeddings()
     handle = head.register_forward_pre_hook(lambda module, args: (args[0][keep], *args[1:]))
     try:
         yield
