@@ -60,6 +60,9 @@ class Setup:
     # "transformers" (the model's own labels= loss, as the Trainer and TRL ran it)
     loss: str = "chunked"
     lean_modules: bool = True  # finetune.train.lean's norms and MLPs (other stacks: false)
+    # bitsandbytes' quant state is not a parameter, so FSDP leaves all of it on every rank (ours); torchao's
+    # NF4Tensor (torchtune) shards its scalers with the packed weight and all-gathers them with it
+    quant_state_sharded: bool = False
     loss_chunk_tokens: int = 0  # 0: automatic (finetune.plan.logits.chunk_rows)
     attn: str = "sdpa"
     device: str = "cuda"  # "cpu" plans a CPU run (no CUDA context; CPU dropout keeps a full-width mask)
@@ -244,7 +247,8 @@ def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
     (embeddings, final norm, lm_head), which stays gathered from forward through backward."""
     if s.strategy != "fsdp" or shard == 1:
         return 0
-    per_layer = (layer_weight_bytes(w) + w["lora"]) // arch.layers
+    consts = w["quant_constants"] if s.quant_state_sharded else 0  # gathered with their weight
+    per_layer = (layer_weight_bytes(w) + w["lora"] + consts) // arch.layers
     keep_all = s.reshard_after_forward is False or s.sharding == "SHARD_GRAD_OP"
     layers = arch.layers if keep_all else 2
     grads = 2 * w["lora"] // arch.layers  # unsharded gradients before reduce-scatter
@@ -270,7 +274,8 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     bd = p.breakdown
     bd["base_4bit"] = on_gpu * -(-w["base_4bit"] // shard)
     bd["experts"] = on_gpu * -(-w["experts"] // shard)
-    bd["quant_constants"] = w["quant_constants"]  # bnb quant state is not a parameter: every rank holds it all
+    # bnb's quant state is not a parameter: every rank holds it all (torchao's NF4 shards it: Setup)
+    bd["quant_constants"] = -(-w["quant_constants"] // shard) if s.quant_state_sharded else w["quant_constants"]
     bd["unquantized"] = on_gpu * -(-(w["unquantized"] - _embedding_on_cpu(arch, s)) // shard)
     bd["lora"] = on_gpu * -(-w["lora"] // shard)
     grads = -(-w["lora"] // shard)

@@ -132,6 +132,20 @@ def test_fsdp1_offload_peaks_at_the_first_forward_with_three_copies_of_each_shar
     assert "training_start" not in E.build(replace(s, offload=False)).cpu
 
 
+def test_sharded_quant_state_divides_the_constants_and_gathers_them_with_each_layer():
+    # torchao's NF4Tensor (torchtune's QLoRA) shards its scalers with the packed weight; bitsandbytes'
+    # quant state is a plain attribute, which FSDP neither shards nor gathers
+    s = E.Setup(model="meta-llama/Meta-Llama-3-70B", gpus=8, strategy="fsdp")
+    bnb, ao = E.build(s), E.build(replace(s, quant_state_sharded=True))
+    consts = E.weight_terms(bnb.arch, s)["quant_constants"]
+    assert bnb.breakdown["quant_constants"] == consts
+    assert ao.breakdown["quant_constants"] == -(-consts // 8)
+    per_layer = consts // bnb.arch.layers
+    assert ao.breakdown["fsdp_buffers"] - bnb.breakdown["fsdp_buffers"] in range(2 * per_layer - 2, 2 * per_layer + 3)
+    one = replace(s, gpus=1, strategy="single")  # nothing to shard on one device
+    assert E.build(one).breakdown == E.build(replace(one, quant_state_sharded=True)).breakdown
+
+
 def test_eight_bit_optimizer_keeps_small_tensors_in_32_bit():
     arch = archs.resolve("builtin:tiny-llama")[0]
     small = E.optimizer_terms(arch, E.Setup(lora_r=4), 1)  # r x 256 = 1024 < 4096 elements
