@@ -15,13 +15,11 @@ replaced, permissions, leftovers and write errors are `finetune.merge.output`'s.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -35,27 +33,11 @@ from finetune.train.portable import save_tokenizer
 from finetune.util.atomic import replace_dir
 from finetune.util.dtypes import recipe_name, torch_dtype
 from finetune.util.errors import RecipeError
+from finetune.util.libc import glibc, trim_heap
 from finetune.util.log import log
 from finetune.util.units import parse_size
 
 FORMAT_VERSION = 1  # bump when the output layout or arithmetic changes: old outputs are then not "up to date"
-
-
-@functools.lru_cache(maxsize=1)
-def _libc():
-    """glibc through ctypes, or None (another C library, another OS): the memory tuning below is then
-    skipped and the merge is the same, only with a higher peak."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if not (name and sys.platform.startswith("linux")):
-        return None
-    try:
-        lib = ctypes.CDLL(name)
-        return lib if hasattr(lib, "mallopt") and hasattr(lib, "malloc_trim") else None
-    except OSError:
-        return None
 
 
 def _map_large_buffers():
@@ -65,17 +47,9 @@ def _map_large_buffers():
     run (measured on the benchmark's 200 MB / 400 MB models: 667-695 / 728-782 MB peak RSS; with a fixed
     1 MiB threshold 583 / 615 MB, the same every run). M_MMAP_THRESHOLD is process-wide and stays set;
     it only changes where large blocks come from."""
-    lib = _libc()
+    lib = glibc()
     if lib is not None:
         lib.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
-
-
-def _release_freed_memory():
-    """Hand freed heap pages back to the OS after each output shard: small allocations still come from the
-    heap, and glibc keeps their freed chunks otherwise."""
-    lib = _libc()
-    if lib is not None:
-        lib.malloc_trim(0)
 
 
 def _adapter_pairs(src: Source, infos: list[TensorInfo]):
@@ -174,7 +148,7 @@ def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, m
             total += tensors[t.name].numel() * tensors[t.name].element_size()
         _save_shard(save_file, tensors, tmp / fname)
         del tensors
-        _release_freed_memory()
+        trim_heap()  # small allocations still come from the heap, which keeps their freed chunks
     merger.handle = None  # unmap the last input shard before the next step reads more
     if len(names) > 1:
         (tmp / "model.safetensors.index.json").write_text(json.dumps(

@@ -1,10 +1,12 @@
 """Handing the memory a load frees back to the OS, and keeping that cheap (train.load, train.base,
 train.fsdp1): Python's cycle collector for the objects a loaded weight leaves in cycles, glibc's
-malloc_trim for the heap pages it keeps.
+malloc_trim (util.libc) for the heap pages it keeps.
 """
 from __future__ import annotations
 
 import contextlib
+
+from finetune.util.libc import trim_heap
 
 
 def release_freed_memory() -> None:
@@ -42,15 +44,3 @@ def loading_objects_only():
         _frozen_depth -= 1
         if _frozen_depth == 0:
             gc.unfreeze()
-
-
-def trim_heap() -> None:
-    """glibc's malloc_trim: return the heap's free pages to the OS. Measured on the reader: without a trim
-    after each piece, quantizing one 5632 x 2048 weight left the heap ~90 MiB larger (four times the bf16
-    weight: each piece's temporaries landed beside the pieces kept), most of a reader's extra peak."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass

@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from finetune.train import tensorfile
-from finetune.train.heap import trim_heap
 from finetune.util.errors import RecipeError
+from finetune.util.libc import trim_heap
 
 PLACEMENTS = ("whole", "fsdp1", "fsdp2")
 _QS_PREFIX = "quant_state.bitsandbytes__"
