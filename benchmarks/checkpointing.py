@@ -37,7 +37,8 @@ def count_flops(checkpointing: bool) -> dict:
     from finetune import recipe as recipe_mod
     from finetune.train.lora import apply_lora
     from finetune.train.loss import token_loss_sum
-    from finetune.train.model import enable_checkpointing, load_model
+    from finetune.train.lora import enable_checkpointing
+    from finetune.weights.model import load_model
 
     _register_bnb_formula()
     rec = recipe_mod.load(TINY_RECIPE, ["model.attn_implementation=eager",

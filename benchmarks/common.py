@@ -199,10 +199,10 @@ def run_module(module: str, kwargs: dict, timeout: float, threads: int | None = 
 
 
 def resolved_precision(rec):
-    """`rec` with the precision finetune's loop resolves on this machine (finetune.train.device): every arm
+    """`rec` with the precision finetune's loop resolves on this machine (finetune.weights.device): every arm
     of a side-by-side row computes as finetune does."""
     import torch
 
-    from finetune.train.device import resolve_cpu_precision
+    from finetune.weights.device import resolve_cpu_precision
 
     return resolve_cpu_precision(rec, on_cpu=not torch.cuda.is_available())[0]

@@ -9,7 +9,7 @@ holds (packed 4-bit weights, quantization state, other parameters: this rank's p
 
 Figures: growth per process; the 2-process / 1-process growth ratio (goal <= 0.6: each rank holds half);
 the 1-process growth over the loaded model's bytes (goal <= 1.5: the bf16 weights are never all held);
-and the planner's load phase (plan/load.py, for a CPU run) against the measured growth of the reader.
+and the planner's load phase (plan/loading.py, for a CPU run) against the measured growth of the reader.
 
     python -m benchmarks.load_rss            # prints the result; run() returns it
 """
@@ -62,10 +62,10 @@ def worker(out: str, model_dir: str, version: int) -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     from finetune.recipe import DistributedSpec, FsdpSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
-    from finetune.train import distributed as D
-    from finetune.train.load import placement_for
+    from finetune.train import parallel as D
+    from finetune.weights.placement import placement_for
     from finetune.train.lora import apply_lora
-    from finetune.train.model import load_model
+    from finetune.weights.model import fill_shards, load_model
     from finetune.train.optim import build_optimizer
 
     base = _status_kib("VmRSS")
@@ -77,7 +77,8 @@ def worker(out: str, model_dir: str, version: int) -> None:
     # bf16 adapters: FSDP1 flattens one dtype per wrapped module (model.dtype here).
     model = apply_lora(load_model(spec, QuantizationSpec(), placement_for(acc), quiet=True),
                        LoraSpec(dtype="bfloat16"), seed=0)
-    model, _ = D.prepare(acc, model, build_optimizer(model.named_parameters(), train))
+    model, _ = D.wrap(acc, model, build_optimizer(model.named_parameters(), train))
+    fill_shards(model)
     result = {"rank": acc.process_index, "base_rss": base, "peak_rss": _status_kib("VmHWM"),
               "growth": _status_kib("VmHWM") - base, "held_bytes": held_bytes(model)}
     Path(out, f"rank{acc.process_index}.json").write_text(json.dumps(result))
@@ -100,7 +101,7 @@ def planned(name: str, procs: int, version: int) -> int:
     from dataclasses import replace
 
     from finetune.plan import estimate as E
-    from finetune.plan import load
+    from finetune.plan import loading as load
     from finetune.plan.archs import resolve
 
     arch = resolve(name)[0]
@@ -113,7 +114,7 @@ def planned(name: str, procs: int, version: int) -> int:
 
 
 def run(layers: int = 22) -> dict:
-    from finetune.train.model import resolve_name
+    from finetune.weights.resolve import resolve_name
 
     name = MODEL.format(layers=layers)
     model_dir = resolve_name(name)  # built once into the finetune cache

@@ -12,4 +12,4 @@ python -m pip install -q -c constraints.txt -e ".[test]"
 # llama.cpp's own GGUF converter for `finetune export` (and its tests): the scripts vendored in the pinned
 # llama-cpp-python sdist, extracted once into ~/.cache/finetune (a 77 MB download; nothing is compiled).
 # Set FINETUNE_SKIP_CONVERTER=1 to skip; export then says how to fetch it.
-[ -n "${FINETUNE_SKIP_CONVERTER:-}" ] || python -m finetune.merge.converter --fetch
+[ -n "${FINETUNE_SKIP_CONVERTER:-}" ] || python -m finetune.gguf.converter --fetch

@@ -21,7 +21,7 @@ GREEN, RESET = "\033[1;32m", "\033[0m"
 def _tokenizer(model_spec):
     """The recipe's tokenizer. For the builtin model only its tokenizer files are needed, so the shipped
     ones are read directly (never building or loading weights just to look at data)."""
-    from finetune.train.model import load_tokenizer
+    from finetune.weights.resolve import load_tokenizer
     from finetune.util import builtin as tiny
 
     shipped = tiny.ASSETS / f"tiny-llama-{tiny.VERSION}"
@@ -130,7 +130,7 @@ def run(args) -> int:
     from finetune.data.prepare import prepare
     from finetune.plan.archs import vocab_size
     from finetune.recipe import DataSource
-    from finetune.train.model import resolve_attention
+    from finetune.weights.resolve import resolve_attention
 
     if args.show < 0:
         raise RecipeError(["--show: must be >= 0"])

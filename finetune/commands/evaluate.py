@@ -15,7 +15,7 @@ def register(sub) -> None:
 def run(args) -> int:
     import json
 
-    from finetune.train.evaluate import run_eval
+    from finetune.train.inference import run_eval
 
     res = run_eval(args.run_dir)
     for k, v in res.items():

@@ -1,6 +1,6 @@
 """`finetune export RUN_DIR --format gguf [--outtype f16|q8_0|f32] [--adapter-only]`: the merged model (or the
 LoRA adapter alone) as GGUF for llama.cpp and Ollama, by llama.cpp's own converter at a pinned release, checked
-against the weights it came from before it appears (merge/gguf.py)."""
+against the weights it came from before it appears (gguf/write.py)."""
 from __future__ import annotations
 
 
@@ -26,7 +26,7 @@ def run(args) -> int:
     import json
     import sys
 
-    from finetune.merge.gguf import export_gguf
+    from finetune.gguf.write import export_gguf
 
     try:
         res = export_gguf(args.run_dir, args.outtype, args.adapter_only, args.output, args.merged,

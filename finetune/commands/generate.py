@@ -6,6 +6,18 @@ import argparse
 from pathlib import Path
 
 
+# What a shell cannot type inside one argument. Only these: "unicode_escape" would also decode the UTF-8
+# bytes of every non-ASCII character as Latin-1 ("café" -> "cafÃ©").
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def decode_escapes(text: str) -> str:
+    """\\n, \\t, \\r and \\\\ in a command-line prompt as the characters they name; everything else as typed."""
+    import re
+
+    return re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m[1]], text)
+
+
 def register(sub) -> None:
     p = sub.add_parser("generate", help="greedy or sampled text from the trained adapter",
                        description="Text from a run's adapter (or merged model, or base alone), one JSON line per "
@@ -14,7 +26,7 @@ def register(sub) -> None:
                                    "as training rendered it. Greedy unless --temperature > 0.")
     p.add_argument("run_dir", type=Path, help="run dir (recipe.yaml + adapter/), or with --merged a merged model dir")
     p.add_argument("--prompt", action="append", required=True,
-                   help="may be given several times; \\n and other escapes are decoded")
+                   help="may be given several times; \\n, \\t, \\r and \\\\ are decoded")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="render each prompt as a user turn with the chat template (default: when the recipe's "
                         "training data are chats)")
@@ -35,7 +47,7 @@ def run(args) -> int:
     import json
 
     from finetune.data.encode import chat_template
-    from finetune.train.evaluate import generate, load_run, trains_chat
+    from finetune.train.inference import generate, load_run, trains_chat
     from finetune.util.errors import RecipeError
 
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
@@ -46,7 +58,7 @@ def run(args) -> int:
     if chat and not template:
         raise RecipeError(["--chat: the tokenizer has no chat template and the recipe sets no data.chat_template"])
     mnt = args.max_new_tokens or (recipe.eval.max_new_tokens if recipe is not None else 64)
-    texts = [p.encode().decode("unicode_escape") for p in args.prompt]  # allow "\n" on the command line
+    texts = [decode_escapes(p) for p in args.prompt]
     system = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [system + [{"role": "user", "content": t}] for t in texts] if chat else texts
     sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else None

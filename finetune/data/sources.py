@@ -15,7 +15,7 @@ from finetune.data.readers import SUFFIXES, read_file, read_jsonl
 from finetune.recipe import DataSource
 from finetune.util.builtin import builtin_dir
 from finetune.util.errors import RecipeError
-from finetune.util.synthetic import is_synthetic_tokens, parse_tokens, token_rows
+from finetune.util.synthetic_names import is_synthetic_tokens, parse_tokens, token_rows
 
 
 def source_files(path: str) -> list[Path]:

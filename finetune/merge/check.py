@@ -84,7 +84,7 @@ def check_prompts(src, n: int = 4) -> list[str]:
 
 
 def _logits(model, tok, prompts) -> list[torch.Tensor]:
-    from finetune.train.device import to_model_device
+    from finetune.weights.device import to_model_device
 
     model.eval()
     with torch.no_grad():
@@ -99,7 +99,7 @@ def reference_model(src, target: str):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from finetune.merge.source import quant_spec
-    from finetune.train.lora import quiet_peft_wrap
+    from finetune.weights.portable import quiet_peft_wrap
 
     if target == "nf4":
         q = quant_spec(src.recipe)

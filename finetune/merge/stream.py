@@ -29,7 +29,7 @@ from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, merged_tens
                                  shard_names)
 from finetune.merge.output import apply_umask, clean_stale, output_dir, temp_dir, up_to_date, write_error
 from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
-from finetune.train.portable import save_tokenizer
+from finetune.weights.portable import save_tokenizer
 from finetune.util.atomic import replace_dir
 from finetune.util.dtypes import recipe_name, torch_dtype
 from finetune.util.errors import RecipeError
@@ -169,7 +169,7 @@ def _write_extras(src: Source, tmp: Path, out_dtype: torch.dtype) -> None:
     if (src.base_dir / "generation_config.json").is_file():
         shutil.copyfile(src.base_dir / "generation_config.json", tmp / "generation_config.json")
     try:
-        save_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir(src)), tmp)  # portable form (train/portable)
+        save_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir(src)), tmp)  # portable form (weights/portable)
     except (ValueError, OSError) as e:
         if isinstance(e, OSError) and e.errno is not None:
             raise  # a failed write into tmp

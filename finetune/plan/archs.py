@@ -195,7 +195,7 @@ def _hf_cache_config(repo_id: str) -> Path | None:
 
 def find_config(name: str) -> tuple[dict | None, str]:
     """(config dict or None, where it came from)."""
-    from finetune.util import synthetic
+    from finetune.util import synthetic_names as synthetic
 
     if synthetic.is_synthetic(name):
         base, overrides, _ = synthetic.parse(name)

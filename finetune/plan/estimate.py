@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from finetune.plan import load
+from finetune.plan import loading
 from finetune.plan.activations import DTYPE_BYTES, MP_BYTES, activation_terms, targeted, targeted_experts
 from finetune.plan.archs import Arch, resolve
 from finetune.plan.pinned import fsdp1_start_extra_bytes, fsdp_offload_bytes
@@ -197,7 +197,7 @@ class Plan:
     source: str
     breakdown: dict = field(default_factory=dict)  # GPU bytes per device, by category
     cpu: dict = field(default_factory=dict)  # CPU bytes per machine, by phase
-    load_gpu: int = 0  # GPU bytes per device while the base loads (plan/load.py)
+    load_gpu: int = 0  # GPU bytes per device while the base loads (plan/loading.py)
     notes: list = field(default_factory=list)
     overhead: dict = field(default_factory=dict)  # the parts of breakdown["framework_overhead"]
 
@@ -298,7 +298,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
         # pinned host copies of every layer input, per process, plus the embedding table kept on the CPU
         p.cpu["training"] += s.per_machine * (act["_offloaded"] + _embedding_on_cpu(arch, s))
     if s.device == "cuda":
-        held = load.process_bytes(arch, s, w, shard, DTYPE_BYTES, reader=True)
+        held = loading.process_bytes(arch, s, w, shard, DTYPE_BYTES, reader=True)
         p.load_gpu = int(held * (1 + FRAGMENTATION)) + CUDA_CONTEXT + (NCCL_BUFFERS if s.world > 1 else 0)
     _notes(p, w)
     return p
@@ -309,8 +309,8 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
     procs = s.per_machine
     base = procs * PROCESS_RAM
     shard_bf16 = min(SHARD_FILE, arch.params() * 2)
-    # The streaming loader: one reader per machine, one tensor at a time (plan/load.py).
-    phases = {"loading": load.machine_bytes(arch, s, w, _shards(s), DTYPE_BYTES, PROCESS_RAM)}
+    # The streaming loader: one reader per machine, one tensor at a time (plan/loading.py).
+    phases = {"loading": loading.machine_bytes(arch, s, w, _shards(s), DTYPE_BYTES, PROCESS_RAM)}
     machine_share = s.per_machine / s.world
     if s.offload:
         # each process: its pinned parameter shards (and FSDP1's pinned gradient for every one of them)

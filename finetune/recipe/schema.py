@@ -1,7 +1,7 @@
 """The recipe schema: one YAML that describes a whole run, every key typed and checked strictly.
 
 Defaults live here, once, with one docstring per field; no other module repeats them. Reading a file and
-applying overrides is `finetune.recipe.load`; the cross-field rules are `finetune.recipe.contract`.
+applying overrides is `finetune.recipe.read`; the cross-field rules are `finetune.recipe.contract`.
 """
 from __future__ import annotations
 

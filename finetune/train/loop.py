@@ -1,7 +1,9 @@
 """The training loop: one explicit loop, readable top to bottom (`_train`).
 
-setup (accelerator, tokenizer, 4-bit base, LoRA, data, optimizer) -> resume -> for each optimizer step:
-accumulate micro-batches under autocast, clip, step, log, evaluate, checkpoint -> save the adapter.
+setup (accelerator, tokenizer, data) -> load the 4-bit base for this process's placement -> adapters (LoRA,
+optimizer, schedule) -> wrap for the strategy -> fill this rank's shards of the base -> restore a checkpoint's
+state -> for each optimizer step: accumulate micro-batches under autocast, clip, step, log, evaluate,
+checkpoint -> save the adapter.
 
 Every collective call (a sharded forward, a reduce, a barrier) is made by every rank in the same order:
 the steps below branch on the rank only around rank-0 work that is not collective.
@@ -21,21 +23,24 @@ from finetune.data.prepare import prepare as prepare_data
 from finetune.plan.archs import vocab_size
 from finetune.plan.attention import CPU_MATH_ATTENTION_MAX_LEN, cpu_math_kernel_possible
 from finetune.recipe import Recipe
-from finetune.recipe.rundir import write_recipe
 from finetune.recipe.fingerprint import fingerprint
-from finetune.train import checkpoint, guard, runlock
-from finetune.train.device import resolve_cpu_precision
-from finetune.train.distributed import gather_full_adapter_state, has_accelerator_device, make_accelerator, prepare
-from finetune.train.lora import apply_lora, trainable_report
-from finetune.train.load import placement_for
+from finetune.recipe.rundir import write_recipe
+from finetune.train import guard
+from finetune.train.gather import gather_full_adapter_state
+from finetune.train.keepers import checkpoint, runlock
+from finetune.train.keepers.metrics import Metrics
+from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
+from finetune.train.lora import apply_lora, enable_checkpointing, trainable_report
 from finetune.train.loss import loss_totals
-from finetune.train.metrics import Metrics
-from finetune.train.model import enable_checkpointing, load_model, load_tokenizer
-from finetune.train.portable import portable_peft_config, save_tokenizer
 from finetune.train.optim import build_optimizer, build_scheduler
+from finetune.train.parallel import has_accelerator_device, make_accelerator, wrap
 from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.train.stop import StopSignal
-from finetune.train.trackers import Trackers, accelerator_kwargs
+from finetune.weights.device import resolve_cpu_precision
+from finetune.weights.model import fill_shards, load_model
+from finetune.weights.placement import placement_for
+from finetune.weights.portable import portable_peft_config, save_tokenizer
+from finetune.weights.resolve import load_tokenizer
 from finetune.util.errors import RecipeError
 from finetune.util.log import log
 
@@ -48,12 +53,12 @@ class Run:
     run_dir: Path
     acc: object
     tok: object
-    model: object
     prepared: object
-    layout: str | None
-    total_steps: int
-    optimizer: object
-    scheduler: object
+    model: object = None
+    layout: str | None = None
+    total_steps: int = 0
+    optimizer: object = None
+    scheduler: object = None
     step: int = 0
     epoch: int = 0
     cursor: int = 0
@@ -62,6 +67,7 @@ class Run:
     metrics: Metrics | None = None
     scaler: object = None  # finetune.train.scaling.LossScaler
     resumed_from: Path | None = None
+    resume_state: dict | None = None  # the checkpoint's manifest, between checkpoint_to_resume and restore
 
     @property
     def ckpt_root(self) -> Path:
@@ -89,12 +95,24 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     if note:
         log.info(note)
     run = setup(recipe, run_dir)
-    resume(run)
+    # The frozen base, placed for the strategy: whole, or (FSDP) placeholders each rank's shard replaces below.
+    run.model = load_model(recipe.model, recipe.quantization, placement_for(run.acc))
+    add_adapters(run)
+    resume_from = checkpoint_to_resume(run)  # its adapter weights go in now, before sharding
+    run.model, run.optimizer = wrap(run.acc, run.model, run.optimizer)
+    fill_shards(run.model)  # FSDP: every rank streams its part of the base into its shards
+    restore(run, resume_from)
     if run.acc.is_main_process:
         write_recipe(run_dir, recipe)
         stats = run.prepared.stats
         log.info(f"model: {trainable_report(run.model)}; data: {stats['rows']} rows, "
                  f"{stats['trained_tokens']} trained tokens; {run.total_steps} steps")
+    return steps(run, stop, return_model)
+
+
+def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
+    """The optimizer steps from the run's position to the end (or a stop signal), then the adapter."""
+    recipe, run_dir = run.recipe, run.run_dir
     run.eval_batches = held_out_batches(run)
     trackers = Trackers(run.acc, recipe, run_dir, run.prepared.stats, run.step, run.resumed_from is not None)
     run.metrics = Metrics(run_dir, run.total_steps, run.step, recipe.output.progress_bar, trackers)
@@ -128,6 +146,11 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         if save_or_stop(run, stop):
             run.metrics.close()
             return {"step": run.step, "stopped": True, **last}
+    return finish(run, last, return_model)
+
+
+def finish(run: Run, last: dict, return_model: bool) -> dict:
+    """After the last step: the final eval, the adapter in RUN_DIR/adapter, the final metrics."""
     final = {"step": run.step, **last}
     if run.scaler.enabled:
         final["skipped_steps"] = run.scaler.skipped
@@ -143,33 +166,36 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
 
 
 def setup(recipe: Recipe, run_dir: Path) -> Run:
-    """Accelerator, tokenizer, data, the 4-bit base with fresh LoRA adapters, packing layout, step count,
-    optimizer and schedule; the model is not wrapped for its strategy yet (that is `resume`'s)."""
-    t = recipe.train
-    acc = make_accelerator(recipe.distributed, recipe.fsdp, t, recipe.model.dtype,
+    """The Accelerator, the tokenizer and the data; no weights yet."""
+    acc = make_accelerator(recipe.distributed, recipe.fsdp, recipe.train, recipe.model.dtype,
                            **accelerator_kwargs(recipe.output.report_to, run_dir))
-    torch.manual_seed(t.seed)
+    torch.manual_seed(recipe.train.seed)
     tok = load_tokenizer(recipe.model)
     with acc.local_main_process_first():  # builtin assets and data caches are built once per node
         prepared = prepare_data(recipe.data, tok, vocab_size(recipe.model.name))
-    model = load_model(recipe.model, recipe.quantization, placement_for(acc))
-    enable_checkpointing(model, recipe.model)
-    model = apply_lora(model, recipe.lora, seed=t.seed)
-    attn = acc.unwrap_model(model).config._attn_implementation
-    layout = batching.packing_layout(recipe.data.packing, attn)
+    return Run(recipe, run_dir, acc, tok, prepared)
+
+
+def add_adapters(run: Run) -> None:
+    """Fresh LoRA adapters on the loaded base (gradient checkpointing first), the packing layout its
+    attention allows, the step count, the optimizer and the schedule; nothing is wrapped yet."""
+    recipe, acc, t = run.recipe, run.acc, run.recipe.train
+    enable_checkpointing(run.model, recipe.model)
+    run.model = apply_lora(run.model, recipe.lora, seed=t.seed)
+    attn = acc.unwrap_model(run.model).config._attn_implementation
+    run.layout = batching.packing_layout(recipe.data.packing, attn)
     if attn == "sdpa" and cpu_math_kernel_possible(acc.device.type, t.mixed_precision):
         log.info(f"attention: batches of up to {CPU_MATH_ATTENTION_MAX_LEN} tokens use SDPA's math kernel (on "
                  "CPU in bf16 its backward is about twice as fast as the flash kernel's)")
-    _, total_steps = plan_steps(recipe, prepared.train, acc.num_processes, layout)
-    optimizer = build_optimizer(model, t)
-    scheduler = build_scheduler(optimizer, t, total_steps)  # stepped by us, once per step: never prepared
-    return Run(recipe, run_dir, acc, tok, model, prepared, layout, total_steps, optimizer, scheduler)
+    _, run.total_steps = plan_steps(recipe, run.prepared.train, acc.num_processes, run.layout)
+    run.optimizer = build_optimizer(run.model, t)
+    run.scheduler = build_scheduler(run.optimizer, t, run.total_steps)  # stepped by us, once per step: never prepared
 
 
-def resume(run: Run) -> None:
-    """Wrap model and optimizer for the strategy, first loading the checkpoint `train.resume` names (if
-    any) into them: adapter weights before wrapping, optimizer / scheduler / RNG state and data position
-    after. Collective."""
+def checkpoint_to_resume(run: Run) -> Path | None:
+    """The checkpoint `train.resume` names (None: a fresh run), verified and matched against this run's
+    fingerprint; its adapter weights are loaded now, into the unwrapped model (every rank loads the full
+    tensors, FSDP then shards them). Collective."""
     acc = run.acc
     if acc.is_main_process:
         checkpoint.clean_partial(run.ckpt_root)  # leftovers of an interrupted checkpoint write
@@ -177,18 +203,23 @@ def resume(run: Run) -> None:
     acc.wait_for_everyone()
     resume_from = resolve_resume(run.recipe.train.resume, run.ckpt_root)
     if resume_from is not None:
-        state = checkpoint.verify(resume_from)
+        run.resume_state = checkpoint.verify(resume_from)
         # A changed recipe (or process count, or data) is refused before anything is loaded into the model.
-        for line in checkpoint.compare_fingerprint(state, run_fingerprint(run), resume_from, run.run_dir):
+        for line in checkpoint.compare_fingerprint(run.resume_state, run_fingerprint(run), resume_from, run.run_dir):
             log.info(f"resume: {line}")
-        # Adapter weights go in before sharding: every rank loads the full tensors, FSDP then shards them.
         load_adapter_into(run.model, resume_from / "adapter")
-    run.model, run.optimizer = prepare(acc, run.model, run.optimizer)
-    if resume_from is not None:
-        checkpoint.load_training_state(resume_from, acc.process_index, run.optimizer, run.scheduler)
-        run.step, run.epoch, run.cursor = state["step"], state["data"]["epoch"], state["data"]["cursor"]
-        run.resumed_from = resume_from
-        log.info(f"resume: from {resume_from} (step {run.step})")
+    return resume_from
+
+
+def restore(run: Run, resume_from: Path | None) -> None:
+    """The checkpoint's optimizer / scheduler / RNG state and data position, into the wrapped run."""
+    if resume_from is None:
+        return
+    state = run.resume_state
+    checkpoint.load_training_state(resume_from, run.acc.process_index, run.optimizer, run.scheduler)
+    run.step, run.epoch, run.cursor = state["step"], state["data"]["epoch"], state["data"]["cursor"]
+    run.resumed_from = resume_from
+    log.info(f"resume: from {resume_from} (step {run.step})")
 
 
 def held_out_batches(run: Run) -> list:

@@ -1,13 +1,11 @@
 """LoRA spec -> peft config; apply it; keep the trainable weights in the adapter dtype (fp32 by default)."""
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import torch
 
-from finetune.recipe import LoraSpec
+from finetune.recipe import LoraSpec, ModelSpec
 from finetune.util.dtypes import torch_dtype
+from finetune.weights.portable import quiet_peft_wrap
 
 
 def expert_parameters(model) -> list[str]:
@@ -66,16 +64,6 @@ def peft_config(spec: LoraSpec, model=None):
     )
 
 
-@contextlib.contextmanager
-def quiet_peft_wrap():
-    """Around every PeftModel construction (get_peft_model, PeftModel.from_pretrained): peft 0.21 reads
-    transformers' deprecated `is_gradient_checkpointing` alias, and transformers 5 then prints a FutureWarning
-    that no user can act on; the value read is the same."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
-
-
 def apply_lora(model, spec: LoraSpec, seed: int):
     """Wrap the frozen base with fresh adapters. Seeded so adapter init is reproducible."""
     from peft import get_peft_model
@@ -98,3 +86,14 @@ def trainable_report(model) -> dict:
     return {"trainable_params": trainable, "all_params": total,
             "trainable_pct": round(100 * trainable / max(total, 1), 3)}
 
+
+def enable_checkpointing(model, spec: ModelSpec):
+    """Gradient checkpointing per the recipe. Non-reentrant by default: it handles inputs that do not
+    require grad (frozen embeddings before the first adapter) and composes with FSDP2."""
+    if not spec.gradient_checkpointing:
+        return
+    kwargs = {"use_reentrant": spec.reentrant_checkpointing}
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # transformers 5 name
+    if spec.reentrant_checkpointing:
+        # Reentrant checkpointing only builds a graph when an input requires grad.
+        model.enable_input_require_grads()

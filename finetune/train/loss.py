@@ -15,8 +15,8 @@ from finetune.data import encode
 from finetune.plan.attention import uses_cpu_math_kernel
 from finetune.plan.logits import chunk_rows
 from finetune.train import lean
-from finetune.train.device import to_device
-from finetune.train.distributed import autocast
+from finetune.weights.device import to_device
+from finetune.train.parallel import autocast
 from finetune.train.offload import offload_context
 
 # Config fields of models whose forward changes the logits after the output head (Gemma 2 soft-capping,

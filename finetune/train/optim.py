@@ -142,7 +142,7 @@ def build_optimizer(model_or_params, train: TrainSpec) -> torch.optim.Optimizer:
     """The optimizer named by `train.optimizer`, over the trainable parameters of a module, an iterable of
     parameters, or of (name, parameter) pairs.
 
-    Build it on the un-wrapped model and pass it to `distributed.prepare` with the model: FSDP2 swaps
+    Build it on the un-wrapped model and pass it to `parallel.wrap` with the model: FSDP2 swaps
     the parameters, and Accelerate re-points the optimizer at the new ones.
     """
     groups = param_groups(model_or_params, train.weight_decay)

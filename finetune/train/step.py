@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from finetune.train.device import to_device
+from finetune.weights.device import to_device
 from finetune.train.loss import batch_kernels, token_loss_sum, trained_tokens
 from finetune.train.scaling import LossScaler
 

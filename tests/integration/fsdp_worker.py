@@ -1,5 +1,5 @@
 """Worker for test_fsdp_blocks.py: trains the tiny 4-bit + LoRA model a few steps with the building blocks
-of finetune.train.distributed / finetune.train.optim and writes what it measured to OUT/.
+of finetune.train.parallel / finetune.train.optim and writes what it measured to OUT/.
 
     python fsdp_worker.py OUT --strategy single --micro-batch 8
     torchrun --standalone --nproc_per_node 2 fsdp_worker.py OUT --strategy fsdp --version 2 --micro-batch 4
@@ -23,10 +23,10 @@ SEQ, GLOBAL_BATCH = 32, 8
 def load_qlora_model(placement=None):
     """The tiny base in 4-bit NF4 (double quant, bf16 compute, fp32 storage, fp32 model) + LoRA r=16 on
     every linear, dropout 0 so 1 and 2 processes compute the same thing. Under FSDP the streaming loader
-    leaves the base to `prepare`, which gives each rank its shard."""
+    leaves the base to `fill_shards`, after wrapping, which gives each rank its shard."""
     from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
     from finetune.train.lora import apply_lora
-    from finetune.train.model import load_model
+    from finetune.weights.model import load_model
 
     model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), placement, quiet=True)
     return apply_lora(model, LoraSpec(r=16, alpha=32, dropout=0.0), seed=0)
@@ -37,7 +37,7 @@ def batches(steps: int):
     real text, and every row has the same number of trained tokens, so the mean of the ranks' mean
     losses is the 1-process mean loss."""
     from finetune.recipe import ModelSpec
-    from finetune.train.model import load_tokenizer
+    from finetune.weights.resolve import load_tokenizer
     from finetune.util import builtin as tiny
 
     tok = load_tokenizer(ModelSpec())
@@ -81,7 +81,7 @@ def four_bit_facts(model) -> dict:
 def sharding_facts(model, accelerator) -> dict:
     from torch.distributed.tensor import DTensor
 
-    from finetune.train.distributed import is_sharded
+    from finetune.train.parallel import is_sharded
 
     params = list(model.parameters())
     return {"model_class": type(model).__name__, "is_sharded": is_sharded(model),
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
 
     from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
-    from finetune.train import distributed as D
+    from finetune.train import parallel as D
     from finetune.train.optim import build_optimizer, build_scheduler
 
     train = TrainSpec(micro_batch_size=args.micro_batch, optimizer=args.optimizer, learning_rate=args.lr,
@@ -131,13 +131,15 @@ def main(argv: list[str]) -> int:
                       weight_decay=0.01, warmup_steps=0, max_steps=args.steps, max_grad_norm=args.clip or None)
     acc = D.make_accelerator(DistributedSpec(strategy=args.strategy), FsdpSpec(version=args.version), train,
                              "float32")
-    from finetune.train.load import placement_for
+    from finetune.weights.placement import placement_for
+    from finetune.weights.model import fill_shards
 
     full_bytes = param_bytes(load_qlora_model())  # the whole model, as one process holds it
     model = load_qlora_model(placement_for(acc))
     opt = build_optimizer(model.named_parameters(), train)
     sched = build_scheduler(opt, train, args.steps)
-    model, opt = D.prepare(acc, model, opt)
+    model, opt = D.wrap(acc, model, opt)
+    fill_shards(model)
     # Parameter objects after prepare (FSDP2 swaps them for DTensors): name them for the optimizer report.
     names_after = {id(p): n.replace("_fsdp_wrapped_module.", "") for n, p in model.named_parameters()}
 

@@ -66,26 +66,24 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quant-chunk", type=int, default=0, help="the loader's QUANT_CHUNK (0: its own)")
     args = ap.parse_args(argv)
     if args.quant_chunk:  # small pieces: a rank's part begins and ends inside a piece
-        from finetune.train import load
+        from finetune.weights import quantize
 
-        load.QUANT_CHUNK = args.quant_chunk
+        quantize.QUANT_CHUNK = args.quant_chunk
     if args.no_quantize:  # a pre-quantized checkpoint must load without bitsandbytes quantizing anything
         import bitsandbytes.functional as F
 
         def refuse(*a, **k):
             raise AssertionError("quantize_4bit was called")
         F.quantize_4bit = refuse
-        from finetune.train import load
+        from finetune.weights import packed, quantize
 
-        from finetune.train import packed
-
-        load.quantize = load.quantize_piece = packed.quantize_piece = refuse  # the loader's own (piecewise)
+        quantize.quantize = quantize.quantize_piece = packed.quantize_piece = refuse  # the loader's own (piecewise)
 
     from finetune.recipe import DistributedSpec, FsdpSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
-    from finetune.train import distributed as D
-    from finetune.train.load import placement_for
+    from finetune.train import parallel as D
+    from finetune.weights.placement import placement_for
     from finetune.train.lora import apply_lora
-    from finetune.train.model import load_model
+    from finetune.weights.model import fill_shards, load_model
     from finetune.train.optim import build_optimizer
 
     train = TrainSpec(optimizer="adamw_torch", mixed_precision="no")
@@ -96,7 +94,8 @@ def main(argv: list[str]) -> int:
     model = apply_lora(load_model(spec, QuantizationSpec(), placement, quiet=True),
                        LoraSpec(r=8, alpha=16, dropout=0.0), seed=0)
     opt = build_optimizer(model.named_parameters(), train)
-    model, opt = D.prepare(acc, model, opt)
+    model, opt = D.wrap(acc, model, opt)
+    fill_shards(model)
     with torch.no_grad():
         logits = model(input_ids=torch.arange(24).view(2, 12) % 300).logits.float()
     facts = {"logits": logits, "fsdp2": fsdp2_holdings(model), "reader": placement.reader}

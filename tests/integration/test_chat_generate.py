@@ -39,7 +39,7 @@ def chat_run(tmp_path_factory):
 
 
 def test_generate_prompt_tokens_equal_training(chat_run, capsys):
-    from finetune.train.evaluate import load_run, trains_chat
+    from finetune.train.inference import load_run, trains_chat
 
     recipe, run_dir, rows = chat_run
     _, tok, _ = load_run(run_dir)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.train import checkpoint as C
+from finetune.train.keepers import checkpoint as C
 
 from .procs import alive, exit_code_of, fork_cli, metrics, wait_pid
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from finetune import recipe as R
 from finetune.plan import disk as D
 from finetune.plan.archs import resolve
-from finetune.train import checkpoint as C
+from finetune.train.keepers import checkpoint as C
 
 from .procs import fork_cli, wait_pid
 from .test_crash_safety import warm

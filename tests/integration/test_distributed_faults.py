@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from finetune.train import checkpoint as C
+from finetune.train.keepers import checkpoint as C
 
 from .procs import ROOT, metrics, rank_processes, spawn_cli, wait_for_first_metrics
 

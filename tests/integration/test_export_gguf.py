@@ -1,5 +1,5 @@
 """Artifacts other clients load, on one real tiny training run (shared by every test here):
-- the adapter and merged tokenizer/adapter files are portable (train/portable.py), and transformers 4.57 reads
+- the adapter and merged tokenizer/adapter files are portable (weights/portable.py), and transformers 4.57 reads
   them with the same token ids as the pinned 5.x (only where scripts/check_tf4_tokenizer.sh built its venv);
 - `finetune export --format gguf` with llama.cpp's own converter (only where scripts/setup.sh fetched it):
   tensors read back equal the merged weights (f32 exactly, f16 to rounding, q8_0 within its step), the LoRA-only
@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 
 from finetune import cli
 from finetune import recipe as R
-from finetune.merge import converter
-from finetune.merge.gguf import PRE_TOKENIZERS
+from finetune.gguf import converter
+from finetune.gguf.write import PRE_TOKENIZERS
 from finetune.util.builtin import builtin_dir
 
 pytestmark = pytest.mark.slow
@@ -78,7 +78,7 @@ def test_transformers_4_reads_adapter_and_merged_tokenizers_with_the_same_ids(ru
 
 
 def _gguf_fields(path: Path) -> dict:
-    from finetune.merge.gguf_check import gguf_module
+    from finetune.gguf.readback import gguf_module
 
     reader = gguf_module(converter.converter_dir()).GGUFReader(str(path))
     keys = ("tokenizer.ggml.pre", "tokenizer.ggml.add_bos_token", "general.architecture")
@@ -98,7 +98,7 @@ def test_export_gguf_tensors_equal_the_merged_weights(run, merged, outtype, caps
         assert t["max_abs_diff"] == {"F32": 0.0}
     assert set(t["types"]) == {"F32", {"f32": "F32", "f16": "F16", "q8_0": "Q8_0"}[outtype]}
     fields = _gguf_fields(out)
-    assert fields["tokenizer.ggml.pre"] == "gpt-2"  # registered for the builtin (merge/gguf.py)
+    assert fields["tokenizer.ggml.pre"] == "gpt-2"  # registered for the builtin (gguf/write.py)
     assert fields["tokenizer.ggml.add_bos_token"] is False  # as training saw the prompts
 
 
@@ -108,7 +108,7 @@ def test_builtin_tokenizer_hash_is_the_registered_one(merged):
     try:
         from conversion.base import TextModel
 
-        from finetune.merge.llama_shim import chkhsh, probe_text
+        from finetune.gguf.llama_shim import chkhsh, probe_text
         h = chkhsh(AutoTokenizer.from_pretrained(merged), probe_text(TextModel.get_vocab_base_pre))
     finally:
         del sys.path[:2]
@@ -128,7 +128,7 @@ def test_export_adapter_only_equals_the_adapter(run):
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                     reason="llama-cpp-python is not installed (compiles llama.cpp; see docs/deploy.md)")
 def test_llama_cpp_greedy_outputs_equal_transformers(run, merged, tmp_path):
-    from finetune.merge.gguf import export_gguf
+    from finetune.gguf.write import export_gguf
 
     res = export_gguf(run, "f32", output=str(tmp_path / "m.gguf"), greedy_prompts=20)
     g = res["greedy"]

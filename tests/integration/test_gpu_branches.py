@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec, TrainSpec, load
-from finetune.train.device import bf16_native, cuda_unusable_reason, model_device, restore_cuda_rng
-from finetune.train.distributed import autocast
+from finetune.weights.device import bf16_native, cuda_unusable_reason, model_device, restore_cuda_rng
+from finetune.train.parallel import autocast
 from finetune.train.scaling import LossScaler
 
 from ..conftest import ROOT
@@ -24,7 +24,7 @@ FP16 = TrainSpec(mixed_precision="fp16")
 
 def fp16_model():
     from finetune.train.lora import apply_lora
-    from finetune.train.model import load_model
+    from finetune.weights.model import load_model
 
     model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(compute_dtype="float16"), quiet=True)
     return apply_lora(model, LoraSpec(r=8, alpha=16, dropout=0.0), seed=0)
@@ -132,20 +132,20 @@ class ModelElsewhere(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def tok():
-    from finetune.train.model import load_tokenizer
+    from finetune.weights.resolve import load_tokenizer
 
     return load_tokenizer(ModelSpec())
 
 
 def _generate(model, tok):
-    from finetune.train.evaluate import greedy
+    from finetune.train.inference import greedy
 
     greedy(model, tok, ["reverse: a b c"], max_new_tokens=2)
 
 
 def _eval_loss(model, tok):
     from finetune.data.prepare import prepare
-    from finetune.train.evaluate import heldout_loss
+    from finetune.train.inference import heldout_loss
 
     # No autocast: torch has none for the meta device (a GPU run autocasts on "cuda", the model's device type).
     r = load(ROOT / "recipes" / "tiny_cpu.yaml", ["data.sources=[{path: 'builtin:tiny-instruct', max_samples: 8}]",
@@ -182,7 +182,8 @@ def test_inputs_are_moved_to_the_models_device(call, tok):
 
 def test_gpu_present_but_unusable_is_refused_with_the_reason(monkeypatch):
     from finetune.recipe import DistributedSpec, FsdpSpec
-    from finetune.train import device, distributed
+    from finetune.train import parallel as distributed
+    from finetune.weights import device
     from finetune.util.errors import RecipeError
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -200,7 +201,7 @@ def test_gpu_present_but_unusable_is_refused_with_the_reason(monkeypatch):
 
 
 def test_broken_flash_attn_falls_back_to_sdpa_with_the_reason(tmp_path, monkeypatch, capsys):
-    from finetune.train.model import resolve_attention
+    from finetune.weights.resolve import resolve_attention
     from finetune.util.log import log
 
     pkg = tmp_path / "flash_attn"
@@ -233,7 +234,7 @@ def test_stop_between_micro_batches_abandons_the_step_and_checkpoints_the_last(t
     import os
     import signal
 
-    from finetune.train import checkpoint
+    from finetune.train.keepers import checkpoint
     from finetune.train.loop import train
 
     forwards = []
@@ -264,7 +265,7 @@ def test_stop_between_micro_batches_abandons_the_step_and_checkpoints_the_last(t
 
 def test_gloo_backend_on_gpus_is_refused_with_the_fix(monkeypatch):
     from finetune.recipe import DistributedSpec, FsdpSpec
-    from finetune.train import distributed
+    from finetune.train import parallel as distributed
     from finetune.util.errors import RecipeError
 
     # The device check comes first and builds nothing, so the GPU side of it runs here.
@@ -275,7 +276,8 @@ def test_gloo_backend_on_gpus_is_refused_with_the_fix(monkeypatch):
 
 
 def test_validate_names_an_unusable_gpu_before_any_weights_load(monkeypatch):
-    from finetune.train import device, preflight
+    from finetune.train import preflight
+    from finetune.weights import device
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(preflight, "gpu_nodes_present", lambda: True)

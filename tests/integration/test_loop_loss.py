@@ -15,7 +15,7 @@ def setup(tiny_model_dir):
     from transformers import AutoTokenizer
 
     from finetune.train.lora import apply_lora
-    from finetune.train.model import load_model
+    from finetune.weights.model import load_model
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [{"prompt": f"reverse: {' '.join(['red', 'cat', 'sun', 'dog', 'fox'][: 1 + i % 5])}\n",
@@ -153,7 +153,7 @@ def test_lean_norms_and_mlps_give_the_stock_loss_and_gradients(tiny_model_dir):
     from benchmarks.memcheck import SavedTensorMeter
     from finetune.train import lean
     from finetune.train.lora import apply_lora
-    from finetune.train.model import load_model
+    from finetune.weights.model import load_model
 
     model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False),
                        QuantizationSpec(compute_dtype="float32"), quiet=True)

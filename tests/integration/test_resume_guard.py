@@ -98,7 +98,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(run, capsys)
     assert "resume: from" in io.out and "step-1 (step 1)" in io.out
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["corrupt-step-2", "step-1", "step-2", "step-3"]
-    from finetune.train import checkpoint as C
+    from finetune.train.keepers import checkpoint as C
 
     assert all(C.problems(p) is None for _, p in C.list_checkpoints(run_dir / "checkpoints"))
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from finetune.train import checkpoint as C
+from finetune.train.keepers import checkpoint as C
 
 from .procs import alive, fork_cli, wait_for_first_metrics, wait_pid
 from .test_crash_safety import warm

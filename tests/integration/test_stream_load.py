@@ -1,4 +1,4 @@
-"""The streaming loader (train/load.py, train/base.py) under FSDP, 2 processes over gloo: each rank holds
+"""The streaming loader (weights/reader.py, weights/skeleton.py) under FSDP, 2 processes over gloo: each rank holds
 only its shard of the packed 4-bit weights, and that shard is byte for byte the matching slice of what one
 process loads; quantization state is whole and equal on every rank; a pre-quantized checkpoint written by
 the project loads in 1 and 2 processes without quantizing and gives the same logits."""
@@ -36,7 +36,7 @@ def _run(out: Path, model: str, nproc: int, *args: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from finetune.train.model import resolve_name
+    from finetune.weights.resolve import resolve_name
 
     return resolve_name(SYNTH)
 
@@ -45,7 +45,7 @@ def model_dir(tmp_path_factory):
 def reference(model_dir):
     """One plain process: the whole packed weights and quantization state of every Linear4bit."""
     from finetune.recipe import ModelSpec, QuantizationSpec
-    from finetune.train.model import load_model
+    from finetune.weights.model import load_model
 
     model = load_model(ModelSpec(name=model_dir, gradient_checkpointing=False), QuantizationSpec(), quiet=True)
     return stream_worker.fsdp2_holdings(model), model
@@ -135,8 +135,8 @@ def test_prequantized_checkpoint_loads_without_quantizing(tmp_path, model_dir, r
     import bitsandbytes.functional as F
 
     from finetune.recipe import ModelSpec, QuantizationSpec
-    from finetune.train import load
-    from finetune.train.model import load_model
+    from finetune.weights import quantize, reader
+    from finetune.weights.model import load_model
 
     ref, model = reference
     from finetune import cli
@@ -148,8 +148,9 @@ def test_prequantized_checkpoint_loads_without_quantizing(tmp_path, model_dir, r
     def refuse(*a, **k):
         raise AssertionError("quantize_4bit was called")
     monkeypatch.setattr(F, "quantize_4bit", refuse)
-    monkeypatch.setattr(load, "quantize", refuse)  # the loader's own (piecewise) quantization
-    monkeypatch.setattr(load, "quantize_piece", refuse)
+    monkeypatch.setattr(quantize, "quantize", refuse)  # the loader's own (piecewise) quantization
+    monkeypatch.setattr(quantize, "quantize_piece", refuse)
+    monkeypatch.setattr(reader, "quantize_from", refuse)
     one = load_model(ModelSpec(name=str(pre), gradient_checkpointing=False), QuantizationSpec(), quiet=True)
     got = stream_worker.fsdp2_holdings(one)
     for name, whole in ref.items():

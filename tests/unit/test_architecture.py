@@ -9,8 +9,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "finetune"
-# Highest first: a module may import its own layer and the layers after it.
-LAYERS = ["cli", "commands", "merge", "train", "data", "plan", "recipe", "util"]
+# Highest first: a module may import its own package and the layers after it. Packages that share a layer
+# (merge and train) are peers and import nothing from each other: the merge needs no training code.
+LAYERS = ["cli", "commands", "gguf", ("merge", "train"), "weights", "data", "plan", "recipe", "util"]
 TORCH_FREE = ("plan", "recipe")
 HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "trl", "safetensors")
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
@@ -61,12 +62,18 @@ def external_imports(path: Path) -> set[str]:
     return names
 
 
-def layer(module: str) -> int | None:
+def package(module: str) -> str | None:
     parts = module.split(".")
     if len(parts) == 1:
         return None  # the package itself
-    key = "cli" if parts[1] in ("cli", "__main__") else parts[1]
-    return LAYERS.index(key)
+    return "cli" if parts[1] in ("cli", "__main__") else parts[1]
+
+
+def layer(module: str) -> int | None:
+    key = package(module)
+    if key is None:
+        return None
+    return next(i for i, entry in enumerate(LAYERS) if key == entry or (isinstance(entry, tuple) and key in entry))
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -101,8 +108,10 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Imports of a higher layer, or of a peer package in the same layer."""
     return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
-                  if layer(a) is not None and layer(b) is not None and layer(b) < layer(a))
+                  if layer(a) is not None and layer(b) is not None
+                  and (layer(b) < layer(a) or (layer(b) == layer(a) and package(b) != package(a))))
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +130,21 @@ def test_no_import_cycles(graph):
 
 def test_imports_point_only_downward(graph):
     assert upward(graph) == []
+
+
+def test_merge_imports_nothing_from_train(graph):
+    assert sorted(f"{a} -> {b}" for a, deps in graph.items() if package(a) == "merge"
+                  for b in deps if package(b) == "train") == []
+
+
+def test_one_name_per_thing():
+    """No two modules share a file name (three load.py once meant three things), except a verb in
+    commands/ named as the layer module that does its work (commands/estimate.py -> plan/estimate.py)."""
+    seen: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py" and path.parent.name != "commands":
+            seen.setdefault(path.stem, []).append(str(path.relative_to(PACKAGE)))
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}
 
 
 def test_planner_and_recipe_never_import_heavy_libraries():
@@ -158,6 +182,13 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     assert g["finetune.plan.b"] == {"finetune.util.a"} and g["finetune.util.a"] == {"finetune.plan.b"}
     assert cycles(g) == [["finetune.plan.b", "finetune.util.a"]]
     assert upward(g) == ["finetune.util.a -> finetune.plan.b"]
+    (pkg / "merge").mkdir()
+    (pkg / "train").mkdir()
+    (pkg / "merge" / "m.py").write_text("from finetune.train import t\n")
+    (pkg / "train" / "t.py").write_text("")
+    modules = module_files(pkg)
+    g = {name: imports_of(name, path, modules) for name, path in modules.items()}
+    assert "finetune.merge.m -> finetune.train.t" in upward(g)
 
 
 def test_help_and_planning_answer_without_heavy_imports():

@@ -18,7 +18,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from finetune.train import checkpoint as C
+from finetune.train.keepers import checkpoint as C
 
 
 def training_state(seed: int = 0):
@@ -221,3 +221,14 @@ def test_same_size_corruption_is_found_by_hash_and_set_aside(tmp_path):
     C.set_aside_damaged(tmp_path, notice=notices.append)
     assert "SHA-256 differs" in notices[0] and (tmp_path / "corrupt-step-2").is_dir()
     assert C.latest(tmp_path) == tmp_path / "step-1"
+
+
+def test_checkpoint_hashes_without_python_311s_file_digest(tmp_path, monkeypatch):
+    """Python 3.10 is supported (pyproject) and has no hashlib.file_digest: a first checkpoint save after a
+    whole training run must not crash there. Removing it here stands in for 3.10."""
+    import hashlib
+
+    monkeypatch.delattr(hashlib, "file_digest", raising=False)
+    f = tmp_path / "blob"
+    f.write_bytes(os.urandom(3 * 2**20 + 17))  # several read blocks and a short last one
+    assert C._sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()

@@ -104,3 +104,22 @@ def test_estimate_plans_activation_offloading_and_states_allocated_memory(capsys
     # ...and land in pinned CPU memory
     assert offloaded["cpu_bytes"]["training"] - plain["cpu_bytes"]["training"] > 1.9 * 2**30
     assert offloaded["gpu_bytes_allocated"] <= 6.0 * 2**30
+
+
+def test_generate_prints_non_ascii_prompts_as_typed(capsys, monkeypatch):
+    """`generate --prompt "café"` once printed "cafÃ©" (and prompted the model with it): the escapes a shell
+    cannot type are decoded, nothing else."""
+    from finetune.train import inference
+
+    seen = []
+
+    class Model:
+        def disable_adapter(self):  # pragma: no cover - not used without --no-adapter
+            raise AssertionError
+
+    monkeypatch.setattr(inference, "load_run", lambda run_dir, merged=False: (None, object(), Model()))
+    monkeypatch.setattr(inference, "generate", lambda model, tok, prompts, *a: seen.extend(prompts) or ["ok"] * len(prompts))
+    assert cli.main(["generate", "run", "--prompt", "café ☕", "--prompt", r"a\nb \\n"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert seen == ["café ☕", "a\nb \\n"]
+    assert [line["prompt"] for line in lines] == seen

@@ -1,4 +1,4 @@
-"""Fast checks of finetune.train.distributed's recipe -> plugin mapping and finetune.train.optim (one process)."""
+"""Fast checks of finetune.train.parallel's recipe -> plugin mapping and finetune.train.optim (one process)."""
 from __future__ import annotations
 
 import io
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from finetune.recipe import FsdpSpec, TrainSpec
-from finetune.train import distributed as D
+from finetune.train import parallel as D
 from finetune.train import optim
 from finetune.util.errors import RecipeError
 

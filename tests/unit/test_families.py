@@ -8,7 +8,7 @@ import torch
 
 from finetune.plan import estimate as E
 from finetune.plan.archs import per_expert_keys, renamed_key, resolve
-from finetune.util import synthetic
+from finetune.util import synthetic_names as synthetic
 
 # Published totals (model cards / keras-hub presets); the table must reproduce them to 3 digits.
 PUBLISHED = {
@@ -90,7 +90,7 @@ def test_loader_stacks_a_per_expert_checkpoint(tmp_path):
     """A hub-layout Mixtral layer (w1/w3/w2 per expert) reads as transformers 5's fused parameters."""
     from safetensors.torch import save_file
 
-    from finetune.train.load import Checkpoint
+    from finetune.weights.reader import Checkpoint
 
     g = torch.Generator().manual_seed(0)
     w = {f"model.layers.0.block_sparse_moe.experts.{e}.{p}.weight": torch.randn(shape, generator=g)

@@ -1,4 +1,4 @@
-"""The load phase the planner plans (plan/load.py) follows the streaming loader: FSDP ranks hold their
+"""The load phase the planner plans (plan/loading.py) follows the streaming loader: FSDP ranks hold their
 shard while loading, the 70B recipe loads and trains under 24 GiB per GPU, and validate refuses a run
 whose load phase does not fit, naming the phase and the shortfall."""
 from dataclasses import replace

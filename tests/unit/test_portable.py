@@ -1,5 +1,5 @@
 """The tokenizer and adapter files finetune writes are in the form transformers 4 and 5 both read
-(train/portable.py): the written fields, and transformers 5 reloading them with identical token ids.
+(weights/portable.py): the written fields, and transformers 5 reloading them with identical token ids.
 (The transformers 4.57 load itself: tests/integration/test_export_gguf.py and scripts/check_tf4_tokenizer.sh.)"""
 import importlib.util
 import json
@@ -10,8 +10,8 @@ import torch
 from transformers import AutoTokenizer
 
 from finetune import cli
-from finetune.merge.gguf_check import unpermute
-from finetune.train.portable import adds_bos_eos, base_reference, save_tokenizer
+from finetune.gguf.readback import unpermute
+from finetune.weights.portable import adds_bos_eos, base_reference, save_tokenizer
 from finetune.util.builtin import builtin_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +99,7 @@ def test_export_without_the_converter_is_exit_2_with_the_fetch_command(tmp_path,
     monkeypatch.setenv("FINETUNE_LLAMA_CPP_CONVERTER", str(tmp_path / "none"))
     assert cli.main(["export", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "python -m finetune.merge.converter --fetch" in err and "Traceback" not in err
+    assert "python -m finetune.gguf.converter --fetch" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("cfg,want", [({"r": 16}, 16), ({"r": 12}, 16), ({"r": 4}, 8),

@@ -1,9 +1,10 @@
-"""The streaming loader quantizes big weights in block-aligned pieces (train/load.quantize): the packed
+"""The streaming loader quantizes big weights in block-aligned pieces (weights/quantize.py): the packed
 bytes and every part of the quantization state must equal one bitsandbytes quantize_4bit call's."""
 import pytest
 import torch
 
-from finetune.train import load
+from finetune.weights import quantize as Q
+from finetune.weights import reader
 
 
 class _Module:  # what the loader records on a Linear4bit (`_finetune_q`)
@@ -19,10 +20,10 @@ class _Module:  # what the loader records on a Linear4bit (`_finetune_q`)
 def test_pieces_equal_one_call(shape, storage, nested, qtype, monkeypatch):
     import bitsandbytes.functional as F
 
-    monkeypatch.setattr(load, "QUANT_CHUNK", 2**11)
+    monkeypatch.setattr(Q, "QUANT_CHUNK", 2**11)
     w = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     q = dict(blocksize=64, compress_statistics=nested, quant_type=qtype, quant_storage=storage)
-    got, got_state = load.quantize(w, _Module(**q))
+    got, got_state = Q.quantize(w, _Module(**q))
     want, want_state = F.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type=qtype,
                                        quant_storage=storage)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -38,15 +39,15 @@ def test_row_blocks_from_checkpoint_equal_one_call(shape, blocks, tmp_path, monk
     import bitsandbytes.functional as F
     from safetensors.torch import save_file
 
-    monkeypatch.setattr(load, "QUANT_CHUNK", 2**11)
+    monkeypatch.setattr(Q, "QUANT_CHUNK", 2**11)
     w = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 0.02).to(torch.bfloat16)
     save_file({"w": w}, tmp_path / "model.safetensors")
-    ckpt = load.Checkpoint(tmp_path)
+    ckpt = reader.Checkpoint(tmp_path)
     reads = []
-    monkeypatch.setattr(load.Checkpoint, "read", lambda self, key: reads.append("whole") or w.clone())
+    monkeypatch.setattr(reader.Checkpoint, "read", lambda self, key: reads.append("whole") or w.clone())
     module = _Module(blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16)
     module.out_features, module.in_features = shape
-    got, got_state = load.quantize_from(ckpt, "w", module, torch.bfloat16, torch.device("cpu"))
+    got, got_state = Q.quantize_from(ckpt, "w", module, torch.bfloat16, torch.device("cpu"))
     want, want_state = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4",
                                        quant_storage=torch.bfloat16)
     assert reads == ([] if blocks else ["whole"])

@@ -10,7 +10,7 @@ import pytest
 from finetune.data.prepare import prepare
 from finetune.recipe import DataSource, DataSpec
 from finetune.util.errors import RecipeError
-from finetune.util.synthetic import parse_tokens
+from finetune.util.synthetic_names import parse_tokens
 
 
 def spec(*sources, **kw) -> DataSpec:

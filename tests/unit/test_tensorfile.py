@@ -2,7 +2,7 @@
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune.train import tensorfile
+from finetune.weights import tensorfile
 
 
 def _tensors():

@@ -6,7 +6,7 @@ import pytest
 
 from finetune import cli
 from finetune import recipe as R
-from finetune.train import trackers as T
+from finetune.train.keepers import trackers as T
 
 TINY = "recipes/tiny_cpu.yaml"
 

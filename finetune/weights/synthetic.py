@@ -1,4 +1,4 @@
-"""Builds a synthetic model (util/synthetic.py names it) into the cache: the architecture's skeleton on meta
+"""Builds a synthetic model (util/synthetic_names.py names it) into the cache: the architecture's skeleton on meta
 gives every tensor's name and shape; each tensor is drawn from its own seeded generator (normal, std
 initializer_range; norm weights ones) and written in bf16 to safetensors shards of at most SHARD_BYTES,
 so building a large model holds one shard at a time. The tiny tokenizer goes along, so the builtin data
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from finetune.util import builtin, synthetic
+from finetune.util import builtin, synthetic_names
 from finetune.util.errors import RecipeError
 
 SHARD_BYTES = 512 * 2**20
@@ -23,12 +23,12 @@ def synthetic_dir(name: str, what: str = "model.name") -> Path:
     """The local directory of the synthetic model `name`, built on first use (atomically: ranks may race)."""
     from finetune.plan.archs import find_config
 
-    base, overrides, seed = synthetic.parse(name, what)
+    base, overrides, seed = synthetic_names.parse(name, what)
     base_cfg, where = find_config(base)
     if base_cfg is None:
         raise RecipeError([f"{what}: '{name}': base '{base}': {where}"])
-    cfg = synthetic.config_for(base_cfg, overrides)
-    return builtin._atomic_build(synthetic.cache_dir(name), lambda out: build(out, cfg, seed))
+    cfg = synthetic_names.config_for(base_cfg, overrides)
+    return builtin._atomic_build(synthetic_names.cache_dir(name), lambda out: build(out, cfg, seed))
 
 
 def _tensor_names(cfg: dict) -> tuple[list[tuple[str, tuple, bool]], object]:

@@ -1,74 +1,21 @@
-"""The streaming 4-bit loader: the base model, tensor by tensor, so no process holds more than its share.
-
-The model is built on the meta device from config.json (transformers' own bitsandbytes quantizer swaps
-the target linears for `Linear4bit`, exactly as `from_pretrained` does). Then the checkpoint's safetensors
-are read one tensor at a time by one reader per machine (its local rank 0); each linear weight is quantized
-on the reader's device, in blocks of rows (or, for a pre-quantized `*-bnb-4bit` checkpoint, its packed bytes
-and quantization state are read as stored). One process, or replicas, receive every tensor whole (a
-broadcast); under FSDP each rank is sent only its part of every tensor, packed 4-bit bytes included, as it
-is read or quantized (packed.py):
-
-- `whole` (one process, or replicas): every tensor is set at once; the bf16 weights are never all held,
-  only one tensor at a time.
-- `fsdp2`: nothing is set at load time (a placeholder stands in, so LoRA can be attached); `prepare`
-  shards the meta model with `fully_shard` and then `fill_fsdp2_shards` streams the checkpoint again,
-  each rank keeping only its dim-0 chunk of every parameter: the packed 4-bit bytes included.
-- `fsdp1`: FSDP1 flattens and shards the meta model (its `param_init_fn` leaves everything on meta), and
-  then `fsdp1.fill_shards` fills each rank's slice of every flat parameter, reading only the rows that
-  slice covers (fsdp1.py).
-
-Quantization state (absmax, nested absmax, code, ...) is kept whole on every rank, on the `Linear4bit`
-module (`module.quant_state`), where bitsandbytes finds it again after FSDP gathers the packed weight.
+"""The checkpoint reader: a safetensors directory's tensors by key, read one at a time into owned memory
+(tensorfile.py), and this machine's `Stream`: one reader per machine (its local rank 0) reads (and
+quantizes, quantize.py) and sends each rank what it keeps (whole tensors for `whole`; each rank's part under
+FSDP: plain tensors here, packed 4-bit bytes in packed.py).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from finetune.train import tensorfile
+from finetune.weights import tensorfile
 from finetune.util.errors import RecipeError
-from finetune.util.libc import trim_heap
+from finetune.weights.placement import Placement, comm_device
+from finetune.weights.quantize import quantize_from
 
-PLACEMENTS = ("whole", "fsdp1", "fsdp2")
 _QS_PREFIX = "quant_state.bitsandbytes__"
-
-
-@dataclass
-class Placement:
-    """What this process keeps of the weights (see the module doc), and where it talks to the others."""
-    mode: str = "whole"
-    rank: int = 0
-    world: int = 1
-    device: torch.device = torch.device("cpu")
-    reader: int = 0  # global rank of this machine's reader: its local rank 0
-    local_world: int = 1  # processes on this machine: ranks reader .. reader + local_world - 1
-    group: object = None  # this machine's process group; None when the job is one machine
-
-
-def placement_for(accelerator) -> Placement:
-    """The placement an Accelerator implies: FSDP (1 or 2) shards, anything else holds the whole model.
-    One reader per machine: on several machines each gets a process group of its own processes (torchrun
-    numbers ranks machine by machine), so the checkpoint crosses no network; on one machine, the default
-    group."""
-    import os
-
-    from accelerate.utils import DistributedType
-
-    mode = "whole"
-    if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:
-        mode = f"fsdp{accelerator.state.fsdp_plugin.fsdp_version}"
-    rank, world = accelerator.process_index, accelerator.num_processes
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    group = None
-    if 1 < world and local_world < world:
-        import torch.distributed as dist
-
-        group, _ = dist.new_subgroups(group_size=local_world)  # collective: every rank creates every group
-    return Placement(mode, rank, world, accelerator.device, rank - accelerator.local_process_index, local_world,
-                     group)
 
 
 class Checkpoint:
@@ -137,13 +84,6 @@ class Checkpoint:
         return {k[len(key) + 1:]: self.read(k) for k in self.where if k.startswith(key + ".")}
 
 
-def _comm_device(pl: Placement) -> torch.device:
-    """Where broadcast buffers live: gloo moves host tensors only (the CPU harness); NCCL needs them on the GPU."""
-    import torch.distributed as dist
-
-    return torch.device("cpu") if dist.get_backend() == "gloo" else pl.device
-
-
 class Stream:
     """This machine's reader (its local rank 0) reads (and quantizes); the machine's other ranks receive.
     Collective: all ranks call in the same order."""
@@ -166,7 +106,7 @@ class Stream:
             header = [(tuple(t.shape), t.dtype, info)]
         dist.broadcast_object_list(header, src=pl.reader, group=pl.group)
         shape, dtype, info = header[0]
-        comm = _comm_device(pl)
+        comm = comm_device(pl)
         if reading:
             buf = t.contiguous().view(-1).view(torch.uint8).to(comm)
         else:
@@ -225,7 +165,7 @@ class Stream:
         import torch.distributed as dist
 
         pl = self.placement
-        comm = _comm_device(pl)
+        comm = comm_device(pl)
         if pl.rank == pl.reader:
             for r in self._machine():
                 lo, hi = spans.get(r, (0, 0))
@@ -248,95 +188,6 @@ class Stream:
         row = torch.Size(shape[1:]).numel()
         lo, hi = start // row, -(-stop // row)
         return self.ckpt.read_rows(key, lo, max(lo, hi)).reshape(-1)[start - lo * row:stop - lo * row]
-
-
-QUANT_CHUNK = 2**18  # elements quantized at once: a multiple of every block size and storage width
-
-
-def quantize(weight: torch.Tensor, module) -> tuple[torch.Tensor, object]:
-    """Quantize one weight exactly as transformers' loader does (Params4bit(...).to(device), that is
-    bitsandbytes.functional.quantize_4bit), with the module's block size, double quantization, type and
-    storage dtype, but QUANT_CHUNK elements at a time.
-
-    Why not one call: bitsandbytes' kernel works on the whole tensor at once, and on CPU its reference
-    kernel holds about 13 bytes of temporaries per element (a float32 copy, int32 codes, ...): 150 MB for
-    one 2048 x 5632 weight, more than the packed model of a small run. The first quantization level is
-    independent per block of `blocksize` elements, so the same kernel over block-aligned pieces gives the
-    same packed bytes and absmax; the second level (double quantization: the absmax minus its mean,
-    quantized in blocks of 256) runs once on the whole absmax, as bitsandbytes runs it. The result equals
-    quantize_4bit's byte for byte (tests/unit/test_stream_quantize.py)."""
-    flat = weight.reshape(-1)
-    pieces = (flat[start:start + QUANT_CHUNK] for start in range(0, flat.numel(), QUANT_CHUNK))
-    return quantize_pieces(pieces, weight.shape, weight.dtype, weight.device, module)
-
-
-def quantize_from(ckpt: Checkpoint, key: str, module, dtype: torch.dtype, device) -> tuple[torch.Tensor, object]:
-    """`quantize` of the checkpoint's weight `key`, read piece by piece (read_pieces), so the reader never
-    holds the whole unquantized weight either."""
-    pieces = read_pieces(ckpt, key, module, dtype, device)
-    return quantize_pieces(pieces, torch.Size((module.out_features, module.in_features)), dtype, device, module)
-
-
-def piece_bounds(module) -> tuple[bool, list[tuple[int, int]]]:
-    """(by rows, the [start, stop) flat element ranges) of the pieces a 4-bit weight is quantized in: blocks
-    of whole rows of about QUANT_CHUNK elements, read alone. A block must be a whole number of quantization
-    blocks for the result to equal quantize_4bit's; when the row length does not allow it (no real
-    model's), QUANT_CHUNK elements at a time of the weight read whole. Every rank can compute them."""
-    rows, cols = module.out_features, module.in_features
-    step = max(1, QUANT_CHUNK // cols)
-    if (step * cols) % module._finetune_q["blocksize"]:
-        n = rows * cols
-        return False, [(a, min(a + QUANT_CHUNK, n)) for a in range(0, n, QUANT_CHUNK)]
-    return True, [(s * cols, min(s + step, rows) * cols) for s in range(0, rows, step)]
-
-
-def read_pieces(ckpt: Checkpoint, key: str, module, dtype: torch.dtype, device):
-    """The pieces of `piece_bounds`, read, cast and flattened, one at a time."""
-    by_rows, bounds = piece_bounds(module)
-    if by_rows:
-        cols = module.in_features
-        for a, b in bounds:
-            yield ckpt.read_rows(key, a // cols, b // cols).to(device, dtype).reshape(-1)
-        return
-    flat = ckpt.read(key).to(device, dtype).reshape(-1)
-    for a, b in bounds:
-        yield flat[a:b]
-
-
-def quantize_pieces(pieces, shape: torch.Size, dtype: torch.dtype, device, module) -> tuple[torch.Tensor, object]:
-    """quantize_4bit of the weight whose flat elements are the concatenation of `pieces`, each (but the
-    last) a whole number of quantization blocks."""
-    packed, absmax = [], []
-    for piece in pieces:
-        p, a = quantize_piece(piece, module)
-        packed.append(p)
-        absmax.append(a)
-        del piece, p, a
-    return torch.cat(packed), quant_state(absmax, shape, dtype, device, module)
-
-
-def quantize_piece(piece: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed, absmax) of one block-aligned piece: bitsandbytes' first quantization level alone."""
-    q = module._finetune_q
-    p, a = torch.ops.bitsandbytes.quantize_4bit.default(piece, q["blocksize"], q["quant_type"], q["quant_storage"])
-    trim_heap()  # the kernel's ~13 bytes/element of temporaries (see quantize), freed but kept by malloc
-    return p, a
-
-
-def quant_state(absmax: list, shape: torch.Size, dtype: torch.dtype, device, module):
-    """The QuantState of a weight from its pieces' absmax: the second level (double quantization: the absmax
-    minus its mean, in blocks of 256) runs once on the whole absmax, as bitsandbytes runs it."""
-    import bitsandbytes.functional as F
-
-    q = module._finetune_q
-    absmax = torch.cat(absmax)
-    code = F.get_4bit_type(q["quant_type"], device=device)
-    common = dict(shape=shape, dtype=dtype, blocksize=q["blocksize"], code=code, quant_type=q["quant_type"])
-    if not q["compress_statistics"]:
-        return F.QuantState(absmax=absmax, **common)
-    offset = absmax.mean()
-    qabsmax, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
-    return F.QuantState(absmax=qabsmax, offset=offset, state2=state2, **common)
 
 
 def materialize(stream: Stream, module, pname: str):

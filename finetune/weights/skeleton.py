@@ -1,9 +1,10 @@
-"""The frozen base model through the streaming loader (load.py): the skeleton, the first pass at load time,
-and the FSDP2 fill that runs after `prepare` wraps the model (FSDP1's: fsdp1.py).
+"""The frozen base model through the streaming loader: the meta skeleton, the first pass at load time (all
+of it for `whole`, placeholders under FSDP), and the meta tensors FSDP wraps (the fills after wrapping:
+fsdp2.py, fsdp1.py).
 
 Every parameter the checkpoint holds gets `_finetune_keys[name]` (its checkpoint key) and
 `_finetune_dtypes[name]` on its module; a `Linear4bit` also gets `_finetune_q` (its quantization
-arguments). Under FSDP the parameter is a zero-size placeholder of the right dtype until `prepare`: LoRA is
+arguments). Under FSDP the parameter is a zero-size placeholder of the right dtype until `wrap`: LoRA is
 attached to a real (CPU) tensor, not a meta one (peft would put the adapters on meta), and `before_wrap`
 swaps the placeholders for meta tensors of the full shape that FSDP then shards.
 """
@@ -13,15 +14,14 @@ from pathlib import Path
 
 import torch
 
-from finetune.train.heap import loading_objects_only, release_freed_memory
-from finetune.train.load import (
+from finetune.weights.heap import loading_objects_only, release_freed_memory
+from finetune.weights.reader import (
     Checkpoint,
     Placement,
     Stream,
     check_stored_config,
     materialize,
 )
-from finetune.train.packed import quantized_range
 from finetune.util.errors import RecipeError
 
 
@@ -79,7 +79,7 @@ def tag_parameters(model, ckpt: Checkpoint) -> list[tuple[torch.nn.Module, str]]
 
 @loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
 def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement, attn: str, trust: bool):
-    """The frozen base for `placement` (see load.py). `bnb`: a 4-bit BitsAndBytesConfig or None."""
+    """The frozen base for `placement` (see the package doc). `bnb`: a 4-bit BitsAndBytesConfig or None."""
     ckpt = Checkpoint(path)
     if ckpt.prequantized and bnb is None:
         raise RecipeError([f"model.name: {path} is a pre-quantized 4-bit checkpoint; set quantization.mode "
@@ -95,6 +95,13 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
             release_freed_memory()
         else:
             module._parameters[pname] = cpu_placeholder(module, pname)
+    if placement.mode == "whole":
+        # Buffers (RoPE's inv_freq) were made real on the CPU with the skeleton; a whole model is used where it
+        # is loaded (eval, generate), and FSDP and Accelerate move the others with the parameters.
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != placement.device:
+                    module._buffers[name] = buf.to(placement.device)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     if quantizer is not None:
@@ -103,7 +110,7 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
     return model
 
 
-def _tagged(model):
+def tagged(model):
     for module in model.modules():
         for pname in getattr(module, "_finetune_keys", {}):
             yield module, pname
@@ -112,7 +119,7 @@ def _tagged(model):
 def before_wrap(model) -> None:
     """FSDP: placeholders -> meta tensors of the parameter's full shape, which FSDP shards without memory.
     A tied head is tied again to the new embedding tensor, so FSDP sees (and shards) one parameter."""
-    for module, pname in _tagged(model):
+    for module, pname in tagged(model):
         p = module._parameters[pname]
         if not p.is_meta and (p.numel() == 0 or not any(p.stride())):
             module._parameters[pname] = placeholder(module, pname, full_shape(module, pname), "meta")
@@ -157,60 +164,3 @@ def full_shape(module, pname: str) -> tuple[int, ...]:
     return module._finetune_shapes[pname]
 
 
-def _fsdp2_params(model) -> dict:
-    """(id(module), name) -> FSDPParam for every parameter fully_shard manages."""
-    from torch.distributed.fsdp import FSDPModule
-
-    out = {}
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group
-            for fp in group.fsdp_params if group is not None else []:
-                out[(id(fp._module_info.module), fp._module_info.param_name)] = fp
-    return out
-
-
-def _local_chunk(module, pname: str, rank: int, world: int) -> torch.Tensor:
-    """This rank's dim-0 chunk of one parameter. A plain tensor (embedding, output head, norms) is sent
-    chunk by chunk, each rank receiving only its rows; a 4-bit weight's packed bytes likewise, as the
-    reader quantizes it piece by piece (packed.py; the quantization state goes whole to every rank). A
-    mesh that is not the placement's (no case today) gets the whole parameter, cut here."""
-    stream, shape = module._finetune_stream, full_shape(module, pname)
-    pl = stream.placement
-    packed = hasattr(module, "_finetune_q") and pname == "weight"
-    if packed and (rank, world) == (pl.rank, pl.world):
-        # the packed weight is stored (elements, 1): its dim-0 chunks are ranges of packed elements
-        local, module.quant_state = quantized_range(stream, module, pname, stream.chunk_spans(shape, world))
-        return local.view(-1, *shape[1:])
-    if not packed and len(shape) and (rank, world) == (pl.rank, pl.world):
-        return stream.plain_chunk(module._finetune_keys[pname], module._finetune_dtypes[pname], shape, rank, world)
-    full = materialize(stream, module, pname)
-    chunks = torch.chunk(full.data, world, dim=0)
-    return chunks[rank].clone() if rank < len(chunks) else full.data.new_empty((0, *full.shape[1:]))
-
-
-@loading_objects_only()
-def fill_fsdp2_shards(model) -> None:
-    """After `fully_shard` on the meta placeholders: stream every tagged parameter and keep this rank's dim-0
-    chunk, exactly the rows `fully_shard` would have kept of the whole tensor (torch.chunk; the last rank's
-    chunk may be short or empty, FSDP pads it). Collective, in module order on every rank."""
-    from torch.distributed.tensor import DTensor
-
-    fsdp_params = _fsdp2_params(model)
-    # Plain tensors first: the embedding and the head are the biggest reads, and their transients (the
-    # reader holds another rank's rows while it sends them) should come while little is held yet.
-    tagged = sorted(_tagged(model), key=lambda mp: hasattr(mp[0], "_finetune_q") and mp[1] == "weight")
-    for module, pname in tagged:
-        fp = fsdp_params[(id(module), pname)]
-        old = fp.sharded_param
-        if not old._local_tensor.is_meta:
-            continue
-        local = _local_chunk(module, pname, old.device_mesh.get_local_rank(), old.device_mesh.size())
-        if fp.offload_to_cpu:
-            local = local.cpu()
-        new = torch.nn.Parameter(DTensor.from_local(local, old.device_mesh, old.placements, run_check=False,
-                                                    shape=old.shape, stride=old.stride()), requires_grad=False)
-        for m in [fp._module_info.module, *fp._module_info.shared_modules]:
-            m._parameters[fp._module_info.param_name] = new
-        fp.reset_sharded_param()
-        release_freed_memory()

@@ -1,12 +1,12 @@
 """`finetune export RUN_DIR --format gguf`: the merged model (or the LoRA adapter alone) as a GGUF file for
-llama.cpp and Ollama, written by llama.cpp's own converter (merge/converter.py) and checked before it appears.
+llama.cpp and Ollama, written by llama.cpp's own converter (gguf/converter.py) and checked before it appears.
 
 1. The merged model: RUN_DIR/merged when a merge wrote it (merge_info.json), else `finetune merge` first
    (merge/stream.py, same defaults). `--adapter-only` converts RUN_DIR/adapter against its base instead.
 2. The converter writes into a temporary sibling of the output file.
-3. Every tensor is read back with gguf-py's reader and compared with its source (merge/gguf_check.py).
+3. Every tensor is read back with gguf-py's reader and compared with its source (gguf/readback.py).
 4. Where llama-cpp-python is importable, greedy generations of llama.cpp on the run's held-out prompts must
-   equal transformers' (merge/gguf_greedy.py); otherwise the result says it was skipped and why.
+   equal transformers' (gguf/greedy.py); otherwise the result says it was skipped and why.
 Only then is the file renamed into place, with a JSON report beside it.
 """
 from __future__ import annotations
@@ -15,12 +15,12 @@ import json
 import os
 from pathlib import Path
 
-from finetune.merge import converter
+from finetune.gguf import converter
 from finetune.util.errors import RecipeError
 from finetune.util.log import log
 
 OUTTYPES = ("f16", "q8_0", "f32")
-# Pre-tokenizers the pinned converter does not know by hash (see merge/llama_shim.py). builtin:tiny-llama's
+# Pre-tokenizers the pinned converter does not know by hash (see gguf/llama_shim.py). builtin:tiny-llama's
 # tokenizer is tokenizers' ByteLevel(add_prefix_space=False, use_regex=True): it splits text with the GPT-2
 # regex ('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+) before byte-level BPE,
 # exactly what llama.cpp's "gpt-2" pre-tokenizer (LLAMA_VOCAB_PRE_TYPE_GPT2) does; only the vocabulary
@@ -87,7 +87,7 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
                 merged: str | None = None, greedy_prompts: int = 200) -> dict:
     """Convert, check, then publish OUTPUT (and OUTPUT.json, the check report). RuntimeError when a check
     fails (nothing is published); RecipeError for bad input or a missing converter."""
-    from finetune.merge.gguf_check import check_tensors
+    from finetune.gguf.readback import check_tensors
 
     if outtype not in OUTTYPES:
         raise RecipeError([f"--outtype: expected one of {', '.join(OUTTYPES)}, got {outtype!r}"], "export")
@@ -129,6 +129,6 @@ def _greedy(run_dir: Path, converted: Path, gguf_file: Path, adapter_only: bool,
     if adapter_only:
         return {"status": "skipped: the greedy comparison runs on the merged GGUF (llama.cpp applies a LoRA "
                           "GGUF over a base GGUF, which this export does not write)"}
-    from finetune.merge.gguf_greedy import greedy_parity
+    from finetune.gguf.greedy import greedy_parity
 
     return greedy_parity(run_dir, converted, gguf_file, n)

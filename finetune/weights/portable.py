@@ -16,8 +16,10 @@ transformers loaded, an absolute path on the training machine. `base_reference` 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import warnings
 from pathlib import Path
 
 from finetune.util import atomic
@@ -125,3 +127,13 @@ def portable_peft_config(peft_config, spec):
     # masked, since a masked revision would name no commit.
     cfg.revision = rev if rev is None or redact(rev) == rev else None
     return cfg
+
+
+@contextlib.contextmanager
+def quiet_peft_wrap():
+    """Around every PeftModel construction (get_peft_model, PeftModel.from_pretrained): peft 0.21 reads
+    transformers' deprecated `is_gradient_checkpointing` alias, and transformers 5 then prints a FutureWarning
+    that no user can act on; the value read is the same."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield

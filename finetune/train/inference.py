@@ -16,7 +16,7 @@ from finetune.data import batching, encode
 from finetune.data.prepare import prepare
 from finetune.plan.archs import vocab_size
 from finetune.recipe.rundir import read_recipe
-from finetune.train.device import model_device, to_model_device
+from finetune.weights.device import model_device, to_model_device
 from finetune.util.errors import RecipeError
 
 
@@ -25,8 +25,9 @@ def load_run(run_dir: Path, merged: bool = False):
     `merged`, the merged model in RUN_DIR/merged (or RUN_DIR itself when it is a merged model's dir)."""
     from peft import PeftModel
 
-    from finetune.train.lora import quiet_peft_wrap
-    from finetune.train.model import load_model, load_tokenizer
+    from finetune.weights.portable import quiet_peft_wrap
+    from finetune.weights.model import load_model
+    from finetune.weights.resolve import load_tokenizer
 
     if merged:
         return load_merged(run_dir)

@@ -9,7 +9,7 @@ downloads, and says how to fetch when the dir is missing. The vendored gguf-py i
 puts on sys.path (it prefers it to an installed `gguf`), so writer and converter always match; the export check
 reads the result with the same package.
 
-Run through `finetune.merge.llama_shim`, which only registers pre-tokenizers the converter does not know (see
+Run through `finetune.gguf.llama_shim`, which only registers pre-tokenizers the converter does not know (see
 there) and then runs the script as `__main__`.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from finetune.util.errors import RecipeError
 
 PIN = "0.3.36"  # llama-cpp-python release whose vendored llama.cpp converter we run (constraints.txt)
 MEMBERS = ("convert_hf_to_gguf.py", "convert_lora_to_gguf.py", "conversion/", "gguf-py/")
-FETCH_COMMAND = "python -m finetune.merge.converter --fetch"
+FETCH_COMMAND = "python -m finetune.gguf.converter --fetch"
 
 
 def converter_dir() -> Path:
@@ -85,7 +85,7 @@ def run_converter(script: str, args: list[str], pre_tokenizers: dict[str, str]) 
     import json
 
     d = require()
-    cmd = [sys.executable, "-m", "finetune.merge.llama_shim", str(d / script), json.dumps(pre_tokenizers), *args]
+    cmd = [sys.executable, "-m", "finetune.gguf.llama_shim", str(d / script), json.dumps(pre_tokenizers), *args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_package_root(), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(cmd, capture_output=True, text=True, env=env)
 

@@ -1,5 +1,5 @@
 """FSDP1 over the meta model: FSDP1 flattens and shards parameters that hold no memory, then each rank fills
-only its own slice of every flat parameter from the checkpoint (base.py tags what each parameter is).
+only its own slice of every flat parameter from the checkpoint (skeleton.py tags what each parameter is).
 
 FSDP1 builds a wrapped module's FlatParameter by concatenating its parameters, then keeps this rank's slice:
 with real parameters, every rank would hold each wrapped module whole twice (the parameters and their
@@ -23,8 +23,8 @@ import contextlib
 
 import torch
 
-from finetune.train.heap import loading_objects_only, release_freed_memory
-from finetune.train.packed import quantized_range
+from finetune.weights.heap import loading_objects_only, release_freed_memory
+from finetune.weights.packed import quantized_range
 
 
 def swap_storage(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:

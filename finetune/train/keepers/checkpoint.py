@@ -133,8 +133,12 @@ def _rng_state() -> dict:
 
 
 def _sha256(p: Path) -> str:
+    # Read in blocks, not hashlib.file_digest: that needs Python 3.11, and 3.10 is supported (pyproject).
+    h = hashlib.sha256()
     with open(p, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _file_entry(p: Path) -> dict:
@@ -210,7 +214,7 @@ def load_training_state(path: Path, rank: int, optimizer, scheduler):
     rng = torch.load(path / f"rng-rank{rank}.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng:
-        from finetune.train.device import restore_cuda_rng
+        from finetune.weights.device import restore_cuda_rng
 
         restore_cuda_rng(rng["cuda"])  # only the devices visible now (fewer GPUs than at save time is fine)
 

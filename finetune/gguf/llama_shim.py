@@ -1,6 +1,6 @@
 """Run one of llama.cpp's converter scripts unchanged, after registering pre-tokenizers it does not know.
 
-    python -m finetune.merge.llama_shim SCRIPT PRE_TOKENIZERS_JSON [script args...]
+    python -m finetune.gguf.llama_shim SCRIPT PRE_TOKENIZERS_JSON [script args...]
 
 Why: the converter names a BPE tokenizer's pre-tokenizer by hashing the token ids of a fixed probe text
 (`chktxt` in `get_vocab_base_pre`) and refuses a hash it has not seen. A tokenizer trained here (the builtin

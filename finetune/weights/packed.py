@@ -1,5 +1,5 @@
 """Each rank's part of a 4-bit weight under FSDP (1 or 2): the machine's reader quantizes the weight piece by
-piece (load.piece_bounds) and sends every rank the packed bytes of its part as each piece is made. No
+piece (quantize.piece_bounds) and sends every rank the packed bytes of its part as each piece is made. No
 process holds the whole packed weight, nor more than one piece of the unquantized one: a rank receives only
 what it keeps, and the reader keeps one piece beside its own part. The quantization state, which covers the
 whole weight, is small and goes whole to every rank.
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from finetune.train.load import Stream, _comm_device, piece_bounds, quant_state, quantize_piece, read_pieces
+from finetune.weights.placement import comm_device
+from finetune.weights.quantize import piece_bounds, quant_state, quantize_piece, read_pieces
+from finetune.weights.reader import Stream
 
 
 def packed_elements(module) -> int:
@@ -51,7 +53,7 @@ def _quantize_and_send(stream: Stream, module, key: str, spans: dict) -> tuple[t
     import torch.distributed as dist
 
     pl, q = stream.placement, module._finetune_q
-    comm, reading = _comm_device(pl), pl.rank == pl.reader
+    comm, reading = comm_device(pl), pl.rank == pl.reader
     machine = range(pl.reader, pl.reader + pl.local_world)
     lo, hi = spans.get(pl.rank, (0, 0))
     local = torch.empty(max(0, hi - lo), dtype=q["quant_storage"], device=pl.device if reading else comm)

@@ -18,10 +18,11 @@ import os
 import torch
 
 from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
-from finetune.train.device import cuda_unusable_reason
+from finetune.weights.device import cuda_unusable_reason
 from finetune.util.dtypes import autocast_dtype, torch_dtype
 from finetune.util.errors import RecipeError
-from finetune.util.log import is_main, log
+from finetune.util.log import log
+from finetune.weights.model import disable_cpu_weight_repacking
 
 # FSDP2 expresses FSDP1's two plain strategies as a bool; the hybrid/replicated ones need a 2-D mesh.
 _FSDP2_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
@@ -34,7 +35,7 @@ def has_accelerator_device() -> bool:
 
 def resolve_strategy(dist: DistributedSpec, fsdp_version: int, world: int | None = None) -> DistributedSpec:
     """`strategy: auto` made concrete for the processes started (one process: single; several: fsdp), said
-    in one line. Recipes loaded from a file arrive resolved (finetune.recipe.load); this also covers
+    in one line. Recipes loaded from a file arrive resolved (finetune.recipe.read); this also covers
     specs built in code."""
     if dist.strategy == "auto":
         world = world or dist.num_processes or int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -247,49 +248,29 @@ def is_sharded(model) -> bool:
     return isinstance(model, (FSDPModule, FullyShardedDataParallel))
 
 
-def disable_cpu_weight_repacking(model) -> int:
-    """Stop bitsandbytes from repacking 4-bit weights in place during CPU inference; returns how many
-    layers were switched.
-
-    Linear4bit.forward on a CPU with AVX512-BF16, in eval mode without grad, replaces `weight.data` with
-    a uint8 CPU-kernel layout and marks the shared quant_state as repacked. Under FSDP the replaced
-    tensor is the gathered copy, which is freed after forward, while the flag stays: the next forward
-    reads the original layout as repacked (measured: logits off by 1.7, training loss after an eval
-    6.000 instead of 6.048, FSDP1 and FSDP2). In one process the weight stays repacked, its storage
-    dtype changes, and backward then runs through an op without autograd support. Training needs the
-    layout it was loaded with.
-    """
-    n = 0
-    for module in model.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-            n += 1
-    return n
-
-
-def prepare(accelerator, model, optimizer):
-    """(model, optimizer) = accelerator.prepare(model, optimizer) plus what FSDP needs around it.
+def wrap(accelerator, model, optimizer):
+    """(model, optimizer) = accelerator.prepare(model, optimizer) plus what FSDP needs around it; under FSDP
+    the base is left as meta tensors, which `weights.model.fill_shards` fills next.
 
     Before: bitsandbytes' in-place CPU repacking is switched off (see disable_cpu_weight_repacking) and
     the wrap policy is completed from the loaded model. After: the model must really be sharded
     (a silent unsharded run proves nothing), and rank 0 logs one line saying how.
     FSDP2 swaps parameters for DTensors; the optimizer is handed the new ones by Accelerate, which is why
-    model and optimizer go through prepare together. Keep the LR scheduler out of accelerator.prepare:
+    model and optimizer are wrapped together. Keep the LR scheduler out of accelerator.prepare:
     its AcceleratedScheduler steps once per process on every call (it assumes steps were counted for
     one process), so with 2 processes warmup and decay would run twice as fast.
     """
     from accelerate.utils import DistributedType
 
-    from finetune.train import base, fsdp1
+    from finetune.weights import fsdp1, skeleton
 
     disable_cpu_weight_repacking(model)
     fsdp = accelerator.distributed_type == DistributedType.FSDP
     if fsdp:
         plugin = accelerator.state.fsdp_plugin
         complete_wrap_policy(plugin, model)
-        # The streaming loader left the base as placeholders: FSDP shards meta tensors, and each rank's
-        # shard is filled after wrapping (FSDP2: base.fill_fsdp2_shards; FSDP1: train/fsdp1.py).
-        base.before_wrap(model)
+        # The streaming loader left the base as placeholders: FSDP shards meta tensors of the full shape.
+        skeleton.before_wrap(model)
         # Accelerate's own rank-0 loading would broadcast rank 0's placeholders: the streaming loader
         # already is the one-reader path, so its broadcasts are off (all ranks receive the same weights).
         plugin.cpu_ram_efficient_loading = False
@@ -301,74 +282,5 @@ def prepare(accelerator, model, optimizer):
     if fsdp:
         if not is_sharded(out[0]):
             raise RuntimeError(f"FSDP was configured but prepare returned an unsharded {type(out[0]).__name__}")
-        if plugin.fsdp_version == 2:
-            base.fill_fsdp2_shards(out[0])
-        else:
-            fsdp1.fill_shards(out[0])
         log.info(describe_fsdp(accelerator))
     return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# Adapter gathering
-
-
-def gather_full_adapter_state(accelerator, model) -> dict[str, torch.Tensor]:
-    """Full-shape (unsharded) adapter tensors on CPU, on rank 0 (other ranks get {}). Collective: every
-    rank must call it.
-
-    Keys are PEFT's file keys, without the adapter name ("...q_proj.lora_A.weight"): what
-    adapter_model.safetensors holds and `set_peft_model_state_dict` loads. (PeftModel.save_pretrained's
-    own `state_dict=` argument wants the raw keys with ".default." instead.)
-    Only trainable tensors are gathered; the frozen 4-bit base never leaves its shards.
-    """
-    from peft import get_peft_model_state_dict
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    unwrapped = accelerator.unwrap_model(model)
-    if is_sharded(model) and accelerator.state.fsdp_plugin.fsdp_version == 1:
-        raw = _fsdp1_full_state_dict(model, offload=accelerator.device.type != "cpu")
-    elif is_sharded(model):
-        # FSDP2: rank 0 receives the full tensors in CPU memory (offload: the gathered copy never sits
-        # on the device), the others get {}; the frozen base is skipped before gathering.
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        raw = get_model_state_dict(model, options=opts)  # clean names: no FSDP wrapper prefixes
-    else:
-        raw = {k: v.detach().to("cpu", copy=True) for k, v in unwrapped.named_parameters() if v.requires_grad}
-    if not is_main():
-        return {}
-    # peft (0.21) finds adapter tensors by walking the model's module names; inside FSDP1 those carry
-    # "_fsdp_wrapped_module." for every wrapped layer, so clean keys match nothing and it returns {}.
-    # Give it the names it walks, then clean its answer.
-    names = {_clean(n): n for n, _ in unwrapped.named_parameters()}
-    raw = {names.get(k, k): v for k, v in raw.items()}
-    out = {_clean(k): v.detach().to("cpu").contiguous()
-           for k, v in get_peft_model_state_dict(unwrapped, state_dict=raw).items()}
-    n_trainable = sum(p.requires_grad for p in unwrapped.parameters())
-    if len(out) < n_trainable:  # never write an empty or partial adapter without a word
-        raise RuntimeError(f"gathered {len(out)} adapter tensors for {n_trainable} trainable parameters")
-    return out
-
-
-def _fsdp1_full_state_dict(model, offload: bool) -> dict:
-    """FSDP1's full state dict, on rank 0 only (rank0_only: the other ranks get {}).
-
-    Not torch's `get_model_state_dict`: with cpu_offload it turns rank0_only on, and its frozen-parameter
-    filter then pops keys ranks > 0 never received (KeyError on every rank but 0, torch 2.13). Here rank 0
-    filters the trainable tensors itself. `offload` (GPU runs) copies each gathered layer to CPU memory
-    at once; on CPU it stays off: FSDP1's `FlatParamHandle.to_cpu` moves the gathered flat parameter to
-    where it already is and then frees that storage, leaving every entry pointing at freed memory.
-    """
-    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
-
-    cfg = FullStateDictConfig(offload_to_cpu=offload, rank0_only=True)
-    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
-        full = model.state_dict()
-    if not is_main():
-        return {}
-    trainable = {_clean(n) for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v.detach().to("cpu", copy=True) for k, v in full.items() if _clean(k) in trainable}
-
-
-def _clean(name: str) -> str:
-    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")

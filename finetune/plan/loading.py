@@ -1,4 +1,4 @@
-"""The load phase of a run, as the streaming loader (train/load.py, train/base.py) runs it: memory per GPU,
+"""The load phase of a run, as the streaming loader (weights/reader.py, weights/skeleton.py) runs it: memory per GPU,
 per process and per machine while the base model arrives, from shapes alone.
 
 One reader per machine (its local rank 0) reads one checkpoint tensor at a time:
@@ -13,7 +13,7 @@ Each rank keeps its part:
 - one process or replicas: the whole model, built up one tensor at a time;
 - FSDP2: a dim-0 chunk of every parameter (1/world), plus the whole quantization state;
 - FSDP1: its slice of every flat parameter (1/world: FSDP1 flattens and shards the meta model, then the
-  slice is filled, train/fsdp1.py), plus the whole quantization state.
+  slice is filled, weights/fsdp1.py), plus the whole quantization state.
 
 So the peak is what a process finally holds plus the biggest transient: the largest tensor in flight.
 LoRA adapters exist whole in every process before `prepare` shards them.
@@ -33,7 +33,7 @@ def tensors(arch: Arch) -> list[tuple[int, bool]]:
     return lin + emb
 
 
-PIECE = 2**18  # train/load.QUANT_CHUNK: elements of a 4-bit weight read and quantized at once
+PIECE = 2**18  # weights/quantize.QUANT_CHUNK: elements of a 4-bit weight read and quantized at once
 
 
 def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int) -> tuple[int, int]:
@@ -44,7 +44,7 @@ def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int) -> tuple[int, int]:
     reader = received = 0
     for numel, four_bit in tensors(arch):
         if four_bit and s.quant in ("nf4", "fp4") and per_rank:
-            # FSDP: each piece is sent on as it is quantized (train/packed.py): the reader holds one row
+            # FSDP: each piece is sent on as it is quantized (weights/packed.py): the reader holds one row
             # block read and cast and its packed bytes; a rank receives only what it keeps
             piece = min(numel, PIECE)
             flight, got = piece * (CKPT_BYTES + mb) + piece // 2, 0

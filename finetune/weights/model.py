@@ -1,0 +1,135 @@
+"""The frozen base model from the recipe's `model` and `quantization` sections (names, the tokenizer and the
+attention kernel are resolved in resolve.py): the streaming loader for safetensors, transformers'
+`from_pretrained` for what it cannot stream. Only LoRA adapters (train/lora.py) train.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from finetune.recipe import ModelSpec, QuantizationSpec
+from finetune.util.dtypes import torch_dtype
+from finetune.util.errors import RecipeError
+from finetune.weights.resolve import _check_weights_format, local_checkpoint, resolve_attention, resolve_name, text_decoder
+
+
+def bnb_config(q: QuantizationSpec, model_dtype: str):
+    """QuantizationSpec -> transformers BitsAndBytesConfig (None for mode: none)."""
+    from transformers import BitsAndBytesConfig
+
+    if q.mode == "none":
+        return None
+    if q.mode == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=q.mode,
+        bnb_4bit_use_double_quant=q.double_quant,
+        bnb_4bit_compute_dtype=torch_dtype(q.compute_dtype),
+        # The packed 4-bit bytes live in a tensor of this dtype. FSDP shards and gathers it like any other
+        # parameter, so it must be the dtype of every other parameter (model.dtype) and never be cast.
+        bnb_4bit_quant_storage=torch_dtype(q.quant_storage or model_dtype),
+    )
+
+
+def load_model(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: bool = False):
+    """Load the frozen base: quantized per `quant`, non-quantized parameters in `spec.dtype`, through the
+    streaming loader (skeleton.py) for the placement (None: the whole model in this process, on the GPU
+    when there is one: placement.default_placement). `quiet`
+    silences the attention fallback line (see resolve_attention).
+
+    Two kinds of base still go through transformers' `from_pretrained`, and only unsharded: int8
+    (LLM.int8 weights cannot be sharded by FSDP at all) and pickle-only checkpoints the recipe allows
+    (the streaming reader reads safetensors only)."""
+    from finetune.weights.placement import default_placement
+
+    placement = placement or default_placement()
+    path = local_checkpoint(resolve_name(spec.name), spec)
+    _check_weights_format(path, spec.allow_pickle)
+    attn = resolve_attention(spec.attn_implementation, quiet)
+    if quant.mode == "int8" or not any(Path(path).glob("*.safetensors")):
+        if placement.mode != "whole":
+            raise RecipeError([f"model.name: {spec.name}: FSDP loads safetensors 4-bit (or unquantized) bases "
+                               "shard by shard; int8 and pickle-only checkpoints load whole, without FSDP"])
+        model = _from_pretrained(path, spec, quant, attn)
+    else:
+        from transformers import AutoConfig
+
+        from finetune.weights.skeleton import load_base
+
+        config = text_decoder(AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code), quiet)
+        model = load_base(Path(path), config, torch_dtype(spec.dtype), bnb_config(quant, spec.dtype), placement,
+                          attn, spec.trust_remote_code)
+    model.config.use_cache = False  # training never uses the KV cache; it would also break packing masks
+    for p in model.parameters():
+        p.requires_grad_(False)
+    keep_buffers_fp32(model)
+    # bitsandbytes repacks 4-bit weights in place on AVX512-BF16 CPUs during eval forwards, which corrupts
+    # later training steps and every FSDP gather (see disable_cpu_weight_repacking); keep the trained layout.
+    disable_cpu_weight_repacking(model)
+    return model
+
+
+def _from_pretrained(path: str, spec: ModelSpec, quant: QuantizationSpec, attn: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        path, revision=spec.revision, dtype=torch_dtype(spec.dtype), quantization_config=bnb_config(quant, spec.dtype),
+        attn_implementation=attn, trust_remote_code=spec.trust_remote_code,
+        use_safetensors=None if spec.allow_pickle else True)
+
+
+def keep_buffers_fp32(model):
+    """RoPE's inv_freq (and similar buffers) must stay fp32: in bf16 the rotary angles of late positions
+    lose precision. Loading in a half dtype casts them; put them back."""
+    for module in model.modules():
+        for name, buf in list(module.named_buffers(recurse=False)):
+            if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
+                module._buffers[name] = buf.float()
+
+
+def quantized_bytes_per_param(model) -> float:
+    """Storage bytes per weight element of the quantized linear layers (about 0.5 for 4-bit)."""
+    import bitsandbytes as bnb
+
+    nbytes = n = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            w = m.weight
+            nbytes += w.numel() * w.element_size()
+            n += m.in_features * m.out_features
+    return nbytes / n if n else float("nan")
+
+
+def disable_cpu_weight_repacking(model) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights in place during CPU inference; returns how many
+    layers were switched.
+
+    Linear4bit.forward on a CPU with AVX512-BF16, in eval mode without grad, replaces `weight.data` with
+    a uint8 CPU-kernel layout and marks the shared quant_state as repacked. Under FSDP the replaced
+    tensor is the gathered copy, which is freed after forward, while the flag stays: the next forward
+    reads the original layout as repacked (measured: logits off by 1.7, training loss after an eval
+    6.000 instead of 6.048, FSDP1 and FSDP2). In one process the weight stays repacked, its storage
+    dtype changes, and backward then runs through an op without autograd support. Training needs the
+    layout it was loaded with.
+    """
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+            n += 1
+    return n
+
+
+def fill_shards(model) -> None:
+    """After the strategy wrapped the model: each rank's part of the base, streamed into FSDP's shards
+    (fsdp2.py, fsdp1.py). Unsharded models were filled at load time. Collective."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    from finetune.weights import fsdp1, fsdp2
+
+    if isinstance(model, FullyShardedDataParallel):
+        fsdp1.fill_shards(model)
+    elif isinstance(model, FSDPModule):
+        fsdp2.fill_shards(model)
