@@ -65,7 +65,7 @@ def worker(out: str, model_dir: str, version: int) -> None:
     from finetune.train import parallel as D
     from finetune.weights.placement import placement_for
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import fill_shards, load_model
+    from finetune.weights.model import fill_shards, load_with_plan
     from finetune.train.optim import build_optimizer
 
     base = _status_kib("VmRSS")
@@ -75,10 +75,10 @@ def worker(out: str, model_dir: str, version: int) -> None:
                              FsdpSpec(version=version), train, "bfloat16")
     spec = ModelSpec(name=model_dir, dtype="bfloat16", gradient_checkpointing=False)
     # bf16 adapters: FSDP1 flattens one dtype per wrapped module (model.dtype here).
-    model = apply_lora(load_model(spec, QuantizationSpec(), placement_for(acc), quiet=True),
-                       LoraSpec(dtype="bfloat16"), seed=0)
-    model, _ = D.wrap(acc, model, build_optimizer(model.named_parameters(), train))
-    fill_shards(model)
+    model, plan = load_with_plan(spec, QuantizationSpec(), placement_for(acc), quiet=True)
+    model = apply_lora(model, LoraSpec(dtype="bfloat16"), seed=0)
+    model, _ = D.wrap(acc, model, build_optimizer(model.named_parameters(), train), plan)
+    fill_shards(model, plan)
     result = {"rank": acc.process_index, "base_rss": base, "peak_rss": _status_kib("VmHWM"),
               "growth": _status_kib("VmHWM") - base, "held_bytes": held_bytes(model)}
     Path(out, f"rank{acc.process_index}.json").write_text(json.dumps(result))

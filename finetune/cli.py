@@ -2,7 +2,8 @@
 
 Dispatch only. Each verb lives in `finetune/commands/<verb>.py`, which registers its own subparser; its
 arguments are parsed intermixed, so key=value overrides may stand anywhere on the line. Exit codes: 0 ok,
-2 bad input (message, no traceback), 1 anything else (finetune.util.errors).
+2 bad input (message, no traceback), 3 a valid run that cannot go on (diverged, output dir in use, GPU
+unusable), 1 anything else (finetune.util.errors).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     root = argparse.ArgumentParser(
         prog="finetune", description="QLoRA fine-tuning from one YAML recipe. `finetune RECIPE [key=value ...]` "
         "trains (also: accelerate launch -m finetune RECIPE).",
-        epilog="`finetune VERB --help` shows a verb's options. Exit codes: 0 ok, 2 bad input, 1 anything else.")
+        epilog="`finetune VERB --help` shows a verb's options. Exit codes: 0 ok, 2 bad input, 3 the run cannot go "
+               "on (diverged, output dir in use, GPU unusable), 1 anything else.")
     sub = root.add_subparsers(dest="verb", metavar="VERB")
     for command in COMMANDS:
         command.register(sub)

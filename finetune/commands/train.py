@@ -18,7 +18,7 @@ def run(a) -> int:
     from pathlib import Path
 
     from finetune.train.preflight import preflight
-    from finetune.util.errors import RecipeError
+    from finetune.util.errors import RecipeError, RunError
     from finetune.util.log import log
 
     recipe = load_recipe(a)
@@ -27,9 +27,11 @@ def run(a) -> int:
     for p in problems:
         if p.level == "warning":
             print(f"warning: {p.render()}", file=sys.stderr)
-    errors = [p.render() for p in problems if p.level == "error"]
+    errors = [p for p in problems if p.level == "error"]
+    if errors and all(p.path == "device" for p in errors):  # the recipe is fine; this machine's GPU is not
+        raise RunError([p.render() for p in errors], a.recipe)
     if errors:
-        raise RecipeError(errors, a.recipe)
+        raise RecipeError([p.render() for p in errors], a.recipe)
     from finetune.train.loop import train
 
     result = train(recipe, Path(recipe.output.dir))

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from finetune.util.errors import RecipeError
+from finetune.util.errors import RunError
 
 
 def _finite(x) -> bool:
@@ -25,7 +25,7 @@ def _params_finite(model) -> bool:
 
 
 def check_step(run, loss: float, grad_norm, total=lambda v: v) -> None:
-    """RecipeError (exit 2) when this step diverged. `loss` and `grad_norm` are already the same on every rank;
+    """RunError (exit 3) when this step diverged. `loss` and `grad_norm` are already the same on every rank;
     without clipping (no norm) the trained parameters are checked, and `total` (a sum over ranks) makes every
     rank agree."""
     if getattr(getattr(run, "scaler", None), "enabled", False) and _finite(loss):
@@ -36,7 +36,7 @@ def check_step(run, loss: float, grad_norm, total=lambda v: v) -> None:
     if not bad:
         return
     what = f"loss {loss}" + (f", gradient norm {float(grad_norm)}" if grad_norm is not None else "")
-    raise RecipeError([f"train.learning_rate: training diverged at step {run.step} ({what}); nothing of this step "
+    raise RunError([f"train.learning_rate: training diverged at step {run.step} ({what}); nothing of this step "
                        "was saved and no adapter was exported, the checkpoints on disk hold the last finite weights. "
                        "Start again in a new output.dir with a lower train.learning_rate or lora.alpha (or "
                        "train.max_grad_norm set, or train.mixed_precision: bf16 instead of fp16)"])
@@ -46,5 +46,5 @@ def assert_finite_adapter(state: dict) -> None:
     """Before an adapter is published: every tensor finite."""
     bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if bad:
-        raise RecipeError([f"train.learning_rate: the trained adapter holds NaN/inf values ({bad[0]}, "
+        raise RunError([f"train.learning_rate: the trained adapter holds NaN/inf values ({bad[0]}, "
                            f"{len(bad)} tensors); it was not exported"])

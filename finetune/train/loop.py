@@ -37,7 +37,7 @@ from finetune.train.parallel import has_accelerator_device, make_accelerator, wr
 from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.train.stop import StopSignal
 from finetune.weights.device import resolve_cpu_precision
-from finetune.weights.model import fill_shards, load_model
+from finetune.weights.model import fill_shards, load_with_plan
 from finetune.weights.placement import placement_for
 from finetune.weights.portable import portable_peft_config, save_tokenizer
 from finetune.weights.resolve import load_tokenizer
@@ -96,11 +96,12 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         log.info(note)
     run = setup(recipe, run_dir)
     # The frozen base, placed for the strategy: whole, or (FSDP) placeholders each rank's shard replaces below.
-    run.model = load_model(recipe.model, recipe.quantization, placement_for(run.acc))
+    # The plan says what each parameter is and where the reader finds it; it is handed on, never stored.
+    run.model, plan = load_with_plan(recipe.model, recipe.quantization, placement_for(run.acc))
     add_adapters(run)
     resume_from = checkpoint_to_resume(run)  # its adapter weights go in now, before sharding
-    run.model, run.optimizer = wrap(run.acc, run.model, run.optimizer)
-    fill_shards(run.model)  # FSDP: every rank streams its part of the base into its shards
+    run.model, run.optimizer = wrap(run.acc, run.model, run.optimizer, plan)
+    fill_shards(run.model, plan)  # FSDP: every rank streams its part of the base into its shards
     restore(run, resume_from)
     if run.acc.is_main_process:
         write_recipe(run_dir, recipe)

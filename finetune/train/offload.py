@@ -91,8 +91,10 @@ def embeddings_to_cpu(base, device: torch.device) -> bool:
 
 def _sharded(model) -> bool:
     """FSDP1 wraps the model in FullyShardedDataParallel; FSDP2 turns its parameters into DTensors."""
+    from torch.distributed.tensor import DTensor
+
     return "FullyShardedDataParallel" in type(model).__name__ or any(
-        hasattr(p, "_local_tensor") for p in model.parameters())
+        isinstance(p, DTensor) for p in model.parameters())
 
 
 def offload_context(model, enabled: bool):

@@ -20,7 +20,7 @@ import torch
 from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
 from finetune.weights.device import cuda_unusable_reason
 from finetune.util.dtypes import autocast_dtype, torch_dtype
-from finetune.util.errors import RecipeError
+from finetune.util.errors import RecipeError, RunError
 from finetune.util.log import log
 from finetune.weights.model import disable_cpu_weight_repacking
 
@@ -128,7 +128,7 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
 
     on_cpu = not has_accelerator_device()
     if on_cpu and (reason := cuda_unusable_reason()):
-        raise RecipeError([f"device: {reason}"])  # never train on the CPU in place of a broken GPU
+        raise RunError([f"device: {reason}"])  # never train on the CPU in place of a broken GPU
     if dist.backend == "nccl" and on_cpu:
         raise RecipeError(["distributed.backend: nccl needs CUDA GPUs and none is available. Fix: use auto or gloo"])
     if dist.backend == "gloo" and not on_cpu:
@@ -248,9 +248,10 @@ def is_sharded(model) -> bool:
     return isinstance(model, (FSDPModule, FullyShardedDataParallel))
 
 
-def wrap(accelerator, model, optimizer):
-    """(model, optimizer) = accelerator.prepare(model, optimizer) plus what FSDP needs around it; under FSDP
-    the base is left as meta tensors, which `weights.model.fill_shards` fills next.
+def wrap(accelerator, model, optimizer, plan=None):
+    """(model, optimizer) = accelerator.prepare(model, optimizer) plus what FSDP needs around it. With the
+    loader's plan (FSDP placements) the base is wrapped as meta tensors, which `weights.model.fill_shards`
+    fills next with the same plan.
 
     Before: bitsandbytes' in-place CPU repacking is switched off (see disable_cpu_weight_repacking) and
     the wrap policy is completed from the loaded model. After: the model must really be sharded
@@ -269,18 +270,30 @@ def wrap(accelerator, model, optimizer):
     if fsdp:
         plugin = accelerator.state.fsdp_plugin
         complete_wrap_policy(plugin, model)
-        # The streaming loader left the base as placeholders: FSDP shards meta tensors of the full shape.
-        skeleton.before_wrap(model)
         # Accelerate's own rank-0 loading would broadcast rank 0's placeholders: the streaming loader
         # already is the one-reader path, so its broadcasts are off (all ranks receive the same weights).
         plugin.cpu_ram_efficient_loading = False
         plugin.sync_module_states = False
+    meta = fsdp and plan is not None
+    if meta:
+        # The streaming loader left the base as placeholders: FSDP shards meta tensors of the full shape.
+        skeleton.before_wrap(model, plan)
+        plan.offload = _offloads_params(plugin)
         if plugin.fsdp_version == 1:
-            plugin.param_init_fn = fsdp1.param_init
-    with fsdp1.meta_wrapping() if fsdp and plugin.fsdp_version == 1 else contextlib.nullcontext():
+            plugin.param_init_fn = fsdp1.param_init(plan)
+    with fsdp1.meta_wrapping() if meta and plugin.fsdp_version == 1 else contextlib.nullcontext():
         out = accelerator.prepare(model, optimizer)
     if fsdp:
         if not is_sharded(out[0]):
             raise RuntimeError(f"FSDP was configured but prepare returned an unsharded {type(out[0]).__name__}")
         log.info(describe_fsdp(accelerator))
     return out
+
+
+def _offloads_params(plugin) -> bool:
+    """Whether FSDP keeps the parameter shards in CPU memory (Accelerate turns `cpu_offload` into torch's
+    FSDP2 CPUOffloadPolicy or FSDP1 CPUOffload)."""
+    from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy
+
+    policy = plugin.cpu_offload
+    return isinstance(policy, CPUOffloadPolicy) or (isinstance(policy, CPUOffload) and policy.offload_params)

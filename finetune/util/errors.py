@@ -1,8 +1,9 @@
 """The errors every layer may raise, and how an entry point turns them into exit codes.
 
 Exit codes: 0 ok, 2 bad input (recipe, data, arguments: `RecipeError`, rendered without a traceback),
-1 anything else (`OutputWriteError` is rendered as one line: what failed and what was kept), 130 when
-interrupted. `exit_code` applies them to an entry function (the CLI's dispatch).
+3 a run that cannot go on although its input is valid (`RunError`: training diverged, the output dir is
+in use by another run, a GPU is installed but unusable; rendered the same way), 1 anything else
+(`OutputWriteError` is rendered as one line: what failed and what was kept), 130 when interrupted. `exit_code` applies them to an entry function (the CLI's dispatch).
 """
 from __future__ import annotations
 
@@ -29,6 +30,16 @@ class RecipeError(Exception):
                  else f"error: {n} problem{'s' if n != 1 else ''}"]
         lines += [f"  - {p}" for p in self.problems]
         return "\n".join(lines)
+
+
+class RunError(RecipeError):
+    """The input is valid but the run cannot go on (diverged, output dir in use, GPU unusable): exit 3, so
+    a scheduler can tell it from bad input (2, fix the recipe) and from a crash (1). A subclass of
+    RecipeError only to share its rendering; `exit_code` checks it first."""
+
+    def render(self) -> str:
+        n = len(self.problems)
+        return "\n".join([f"error: the run stopped ({n} problem{'s' if n != 1 else ''})"] + [f"  - {p}" for p in self.problems])
 
 
 class Problem(BaseModel):
@@ -68,6 +79,9 @@ def exit_code(main: Callable[[list[str]], int | None], argv: list[str]) -> int:
     """Run an entry function and map what it raises to the exit codes above."""
     try:
         return int(main(argv) or 0)
+    except RunError as e:
+        print(e.render(), file=sys.stderr)
+        return 3
     except RecipeError as e:
         print(e.render(), file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """FSDP1 over the meta model: FSDP1 flattens and shards parameters that hold no memory, then each rank fills
-only its own slice of every flat parameter from the checkpoint (skeleton.py tags what each parameter is).
+only its own slice of every flat parameter from the checkpoint (the load plan says what each parameter is).
 
 FSDP1 builds a wrapped module's FlatParameter by concatenating its parameters, then keeps this rank's slice:
 with real parameters, every rank would hold each wrapped module whole twice (the parameters and their
@@ -7,8 +7,8 @@ concatenation) before sharding; for the root unit (embedding and output head) th
 transient of the load. On meta both are free, and what FSDP1 records (each parameter's place in the flat
 parameter, this rank's `_shard_param_infos`) is all the fill needs:
 
-- `param_init` (FSDP1's `param_init_fn`): the base's parameters stay meta; any real parameter (LoRA) is moved
-  to meta too, its value stashed on it. The Python object stays the same (the optimizer, built
+- `param_init(plan)` (FSDP1's `param_init_fn`): the base's parameters stay meta; any real parameter (LoRA) is
+  moved to meta too, its value stashed in the load plan. The Python object stays the same (the optimizer, built
   before `prepare`, holds it; FSDP1 with use_orig_params keeps it).
 - `meta_wrapping` (around `accelerator.prepare`): two places where torch 2.13's FSDP1 assumes the
   parameters are real after `param_init_fn` (see the function).
@@ -38,13 +38,18 @@ def swap_storage(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     return new.data
 
 
-def param_init(module):
-    """FSDP1's `param_init_fn`, called for each module of a unit being wrapped: every parameter of `module`
-    ends on meta (the base's already are; a real one, LoRA, is stashed whole on the parameter first)."""
-    for p in module._parameters.values():
-        if p is not None and not p.is_meta:  # kept on the parameter itself: a shared one is stashed once
-            p.__dict__["_finetune_stash"] = swap_storage(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
-    return module
+def param_init(plan):
+    """FSDP1's `param_init_fn`, called for each module of a unit being wrapped: every parameter of the module
+    ends on meta (the base's already are; a real one, LoRA, is stashed whole in `plan` first, by the
+    parameter's identity: a shared one is stashed once)."""
+
+    def init(module):
+        for p in module.parameters(recurse=False):
+            if not p.is_meta:
+                plan.stash[id(p)] = swap_storage(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+        return module
+
+    return init
 
 
 @contextlib.contextmanager
@@ -82,9 +87,9 @@ def meta_wrapping():
 
 
 @loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
-def fill_shards(model) -> None:
+def fill_shards(model, plan) -> None:
     """Give every FlatParameter still on meta its real local shard (see the module doc). Collective: every
-    rank walks the same units and parameters in the same order."""
+    rank walks the same units and parameters in the same order; the plan is released at the end."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     for unit in FullyShardedDataParallel.fsdp_modules(model):
@@ -94,9 +99,9 @@ def fill_shards(model) -> None:
         flat = handle.flat_param
         device = torch.device("cpu") if handle._offload_params else handle.device
         local = torch.zeros(flat.numel(), dtype=flat.dtype, device=device)
-        spans = _peer_spans(handle)
+        spans = _peer_spans(handle, plan.stream.placement)
         for i, ((pname, module, _), info) in enumerate(zip(flat._param_infos, flat._shard_param_infos)):
-            part = _part(module, pname, flat._params[i], {r: s[i] for r, s in spans.items() if s[i]}, info)
+            part = _part(plan, module, pname, flat._params[i], {r: s[i] for r, s in spans.items() if s[i]}, info)
             if info.in_shard:
                 local[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard].copy_(part)
             del part
@@ -107,15 +112,15 @@ def fill_shards(model) -> None:
             swap_storage(p, torch.empty(0, dtype=p.dtype, device=device))
         handle._use_sharded_views()
         release_freed_memory()
+    plan.release()
 
 
-def _peer_spans(handle) -> dict[int, list]:
+def _peer_spans(handle, pl) -> dict[int, list]:
     """Global rank of each process on this machine -> per parameter of the handle, the (start, stop) of
     that parameter's elements in the rank's shard (None when none): FSDP1's own shard bookkeeping
     (`_get_shard_metadata`) for each rank's interval of the flat parameter."""
     import torch.distributed as dist
 
-    pl = _stream_of(handle).placement
     n, out = handle.flat_param.numel(), {}
     for g in range(pl.reader, pl.reader + pl.local_world):
         s = dist.get_group_rank(handle.process_group, g) if handle.uses_sharded_strategy else 0  # NO_SHARD: all
@@ -124,28 +129,18 @@ def _peer_spans(handle) -> dict[int, list]:
     return out
 
 
-def _stream_of(handle):
-    for _, module, _ in handle.flat_param._param_infos:
-        if hasattr(module, "_finetune_stream"):
-            return module._finetune_stream
-    raise RuntimeError(f"FSDP1 unit {handle} holds meta parameters the streaming loader did not tag")
-
-
-def _part(module, pname: str, param, spans: dict, info) -> torch.Tensor | None:
+def _part(plan, module, pname: str, param, spans: dict, info) -> torch.Tensor | None:
     """This rank's elements of `module.pname` (`param`; None when its shard holds none, after taking part
     in the collective reads that every rank makes for this parameter)."""
-    import bitsandbytes as bnb
-
     mine = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else None
-    whole = param.__dict__.pop("_finetune_stash", None)
+    whole = plan.stash.pop(id(param), None)
     if whole is not None:  # LoRA: every rank has its whole value
         return whole.reshape(-1)[mine[0]:mine[1]] if mine else None
-    if pname not in getattr(module, "_finetune_keys", {}):
+    e = plan.find(module, pname)
+    if e is None:
         raise RuntimeError(f"FSDP1: {type(module).__name__}.{pname} is on meta and neither loaded nor stashed")
-    stream = module._finetune_stream
-    if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
-        local, qs = quantized_range(stream, module, pname, spans)  # the quantization state whole on every rank
+    if e.packed:
+        local, qs = quantized_range(plan.stream, e, spans)  # the quantization state whole on every rank
         module.quant_state = param.quant_state = qs
         return local if mine else None
-    return stream.plain_range(module._finetune_keys[pname], module._finetune_dtypes[pname],
-                              module._finetune_shapes[pname], spans)
+    return plan.stream.plain_range(e.key, e.dtype, e.shape, spans)

@@ -1,69 +1,70 @@
 """FSDP2's shards of the frozen base, filled after `fully_shard` wrapped the meta placeholders: every rank
-keeps exactly the dim-0 chunk `fully_shard` would have kept of the whole tensor."""
+keeps exactly the dim-0 chunk `fully_shard` would have kept of the whole tensor (torch.chunk; the last
+rank's chunk may be short or empty, FSDP pads it).
+
+Public torch API only: each parameter's new local shard becomes a DTensor on the parameter's own mesh and
+placements (`DTensor.from_local`), set with `load_state_dict(..., assign=True)` on every module that holds
+it; FSDP2 re-registers replaced parameters (and pads the local tensors) at its lazy init before the first
+forward, its documented path for loading into a meta-initialised model.
+"""
 from __future__ import annotations
 
 import torch
 
 from finetune.weights.heap import loading_objects_only, release_freed_memory
+from finetune.weights.loadplan import Entry, LoadPlan
 from finetune.weights.packed import quantized_range
 from finetune.weights.reader import materialize
-from finetune.weights.skeleton import full_shape, tagged
 
 
-def _fsdp2_params(model) -> dict:
-    """(id(module), name) -> FSDPParam for every parameter fully_shard manages."""
-    from torch.distributed.fsdp import FSDPModule
-
-    out = {}
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group
-            for fp in group.fsdp_params if group is not None else []:
-                out[(id(fp._module_info.module), fp._module_info.param_name)] = fp
-    return out
-
-
-def _local_chunk(module, pname: str, rank: int, world: int) -> torch.Tensor:
+def _local_chunk(plan: LoadPlan, e: Entry, rank: int, world: int) -> torch.Tensor:
     """This rank's dim-0 chunk of one parameter. A plain tensor (embedding, output head, norms) is sent
     chunk by chunk, each rank receiving only its rows; a 4-bit weight's packed bytes likewise, as the
     reader quantizes it piece by piece (packed.py; the quantization state goes whole to every rank). A
     mesh that is not the placement's (no case today) gets the whole parameter, cut here."""
-    stream, shape = module._finetune_stream, full_shape(module, pname)
+    stream, shape = plan.stream, e.full_shape()
     pl = stream.placement
-    packed = hasattr(module, "_finetune_q") and pname == "weight"
-    if packed and (rank, world) == (pl.rank, pl.world):
+    if e.packed and (rank, world) == (pl.rank, pl.world):
         # the packed weight is stored (elements, 1): its dim-0 chunks are ranges of packed elements
-        local, module.quant_state = quantized_range(stream, module, pname, stream.chunk_spans(shape, world))
+        local, e.module.quant_state = quantized_range(stream, e, stream.chunk_spans(shape, world))
         return local.view(-1, *shape[1:])
-    if not packed and len(shape) and (rank, world) == (pl.rank, pl.world):
-        return stream.plain_chunk(module._finetune_keys[pname], module._finetune_dtypes[pname], shape, rank, world)
-    full = materialize(stream, module, pname)
+    if not e.packed and len(shape) and (rank, world) == (pl.rank, pl.world):
+        return stream.plain_chunk(e.key, e.dtype, shape, rank, world)
+    full = materialize(stream, e)
     chunks = torch.chunk(full.data, world, dim=0)
     return chunks[rank].clone() if rank < len(chunks) else full.data.new_empty((0, *full.shape[1:]))
 
 
-@loading_objects_only()
-def fill_shards(model) -> None:
-    """After `fully_shard` on the meta placeholders: stream every tagged parameter and keep this rank's dim-0
-    chunk, exactly the rows `fully_shard` would have kept of the whole tensor (torch.chunk; the last rank's
-    chunk may be short or empty, FSDP pads it). Collective, in module order on every rank."""
+def _holders(model) -> dict[int, list[tuple[torch.nn.Module, str]]]:
+    """id(parameter) -> every (module, name) that holds it: a tied head shares the embedding's."""
+    out: dict[int, list] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
+            out.setdefault(id(p), []).append((module, name))
+    return out
+
+
+@loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
+def fill_shards(model, plan: LoadPlan) -> None:
+    """After `fully_shard` on the meta placeholders: stream every parameter of the plan and keep this rank's
+    dim-0 chunk. Collective, in plan order on every rank; the plan is released at the end."""
     from torch.distributed.tensor import DTensor
 
-    fsdp_params = _fsdp2_params(model)
+    holders = _holders(model)
     # Plain tensors first: the embedding and the head are the biggest reads, and their transients (the
     # reader holds another rank's rows while it sends them) should come while little is held yet.
-    params = sorted(tagged(model), key=lambda mp: hasattr(mp[0], "_finetune_q") and mp[1] == "weight")
-    for module, pname in params:
-        fp = fsdp_params[(id(module), pname)]
-        old = fp.sharded_param
-        if not old._local_tensor.is_meta:
+    for e in sorted(plan.entries, key=lambda e: e.packed):
+        old = getattr(e.module, e.name)
+        if not isinstance(old, DTensor) or not old.to_local().is_meta:
             continue
-        local = _local_chunk(module, pname, old.device_mesh.get_local_rank(), old.device_mesh.size())
-        if fp.offload_to_cpu:
+        mesh = old.device_mesh
+        local = _local_chunk(plan, e, mesh.get_local_rank(), mesh.size())
+        if plan.offload:
             local = local.cpu()
-        new = torch.nn.Parameter(DTensor.from_local(local, old.device_mesh, old.placements, run_check=False,
-                                                    shape=old.shape, stride=old.stride()), requires_grad=False)
-        for m in [fp._module_info.module, *fp._module_info.shared_modules]:
-            m._parameters[fp._module_info.param_name] = new
-        fp.reset_sharded_param()
+        new = torch.nn.Parameter(DTensor.from_local(local, mesh, old.placements, run_check=False, shape=old.shape,
+                                                    stride=old.stride()), requires_grad=False)
+        for module, name in holders[id(old)]:
+            module.load_state_dict({name: new}, strict=False, assign=True)
+        del old, local, new
         release_freed_memory()
+    plan.release()

@@ -34,10 +34,20 @@ def bnb_config(q: QuantizationSpec, model_dtype: str):
 
 
 def load_model(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: bool = False):
-    """Load the frozen base: quantized per `quant`, non-quantized parameters in `spec.dtype`, through the
-    streaming loader (skeleton.py) for the placement (None: the whole model in this process, on the GPU
-    when there is one: placement.default_placement). `quiet`
-    silences the attention fallback line (see resolve_attention).
+    """The whole frozen base in this process (see load_with_plan), for `placement` (None: on the GPU when
+    there is one, placement.default_placement). Under FSDP the fill needs the plan: use load_with_plan."""
+    model, plan = load_with_plan(spec, quant, placement, quiet)
+    if plan is not None:
+        raise ValueError(f"load_model: a {plan.stream.placement.mode} placement leaves shards to fill; "
+                         "use load_with_plan and hand its plan to fill_shards")
+    return model
+
+
+def load_with_plan(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: bool = False):
+    """(model, load plan): the frozen base quantized per `quant`, non-quantized parameters in `spec.dtype`,
+    through the streaming loader (skeleton.py) for the placement (None: the whole model in this process, on
+    the GPU when there is one), and the plan the shard fill takes after wrapping (None when every weight is
+    already set, as for a whole model). `quiet` silences the attention fallback line (resolve_attention).
 
     Two kinds of base still go through transformers' `from_pretrained`, and only unsharded: int8
     (LLM.int8 weights cannot be sharded by FSDP at all) and pickle-only checkpoints the recipe allows
@@ -52,15 +62,15 @@ def load_model(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: 
         if placement.mode != "whole":
             raise RecipeError([f"model.name: {spec.name}: FSDP loads safetensors 4-bit (or unquantized) bases "
                                "shard by shard; int8 and pickle-only checkpoints load whole, without FSDP"])
-        model = _from_pretrained(path, spec, quant, attn)
+        model, plan = _from_pretrained(path, spec, quant, attn), None
     else:
         from transformers import AutoConfig
 
         from finetune.weights.skeleton import load_base
 
         config = text_decoder(AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code), quiet)
-        model = load_base(Path(path), config, torch_dtype(spec.dtype), bnb_config(quant, spec.dtype), placement,
-                          attn, spec.trust_remote_code)
+        model, plan = load_base(Path(path), config, torch_dtype(spec.dtype), bnb_config(quant, spec.dtype),
+                                placement, attn, spec.trust_remote_code)
     model.config.use_cache = False  # training never uses the KV cache; it would also break packing masks
     for p in model.parameters():
         p.requires_grad_(False)
@@ -68,7 +78,7 @@ def load_model(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: 
     # bitsandbytes repacks 4-bit weights in place on AVX512-BF16 CPUs during eval forwards, which corrupts
     # later training steps and every FSDP gather (see disable_cpu_weight_repacking); keep the trained layout.
     disable_cpu_weight_repacking(model)
-    return model
+    return model, plan
 
 
 def _from_pretrained(path: str, spec: ModelSpec, quant: QuantizationSpec, attn: str):
@@ -122,14 +132,20 @@ def disable_cpu_weight_repacking(model) -> int:
     return n
 
 
-def fill_shards(model) -> None:
+def fill_shards(model, plan) -> None:
     """After the strategy wrapped the model: each rank's part of the base, streamed into FSDP's shards
-    (fsdp2.py, fsdp1.py). Unsharded models were filled at load time. Collective."""
+    (fsdp2.py, fsdp1.py) as the load plan says; the plan is released after. Nothing to do without a plan
+    (every weight was set at load time). Collective."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     from finetune.weights import fsdp1, fsdp2
 
+    if plan is None:
+        return
     if isinstance(model, FullyShardedDataParallel):
-        fsdp1.fill_shards(model)
+        fsdp1.fill_shards(model, plan)
     elif isinstance(model, FSDPModule):
-        fsdp2.fill_shards(model)
+        fsdp2.fill_shards(model, plan)
+    else:
+        raise RuntimeError(f"fill_shards: a {plan.stream.placement.mode} load plan, but the model is an unsharded "
+                           f"{type(model).__name__}")

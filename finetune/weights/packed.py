@@ -19,25 +19,18 @@ from finetune.weights.quantize import piece_bounds, quant_state, quantize_piece,
 from finetune.weights.reader import Stream
 
 
-def packed_elements(module) -> int:
-    """Elements (of the storage dtype) of the packed weight: bitsandbytes' (n + 1) // (2 * itemsize)."""
-    size = torch.empty((), dtype=module._finetune_q["quant_storage"]).element_size()
-    return (module.in_features * module.out_features + 1) // (2 * size)
-
-
-def quantized_range(stream: Stream, module, pname: str, spans: dict) -> tuple[torch.Tensor, object]:
+def quantized_range(stream: Stream, entry, spans: dict) -> tuple[torch.Tensor, object]:
     """(this rank's packed elements [start, stop) as a flat tensor, the weight's QuantState), where `spans`
     maps each global rank of this machine to its (start, stop) in packed elements (ranks that want nothing
     may be left out). Collective over the machine, in the same order on every rank."""
     from bitsandbytes.functional import QuantState
 
-    pl, key = stream.placement, module._finetune_keys[pname]
-    storage = module._finetune_q["quant_storage"]
+    pl, key = stream.placement, entry.key
     if stream.ckpt.prequantized:
-        local = stream.plain_range(key, storage, (packed_elements(module), 1), spans)
+        local = stream.plain_range(key, entry.q["quant_storage"], (entry.packed_elements(), 1), spans)
         stats = stream.ckpt.quant_stats(key) if pl.rank == pl.reader else None
     else:
-        local, stats = _quantize_and_send(stream, module, key, spans)
+        local, stats = _quantize_and_send(stream, entry, spans)
     if pl.world > 1:
         import torch.distributed as dist
 
@@ -47,23 +40,23 @@ def quantized_range(stream: Stream, module, pname: str, spans: dict) -> tuple[to
     return local, QuantState.from_dict(dict(stats), device=pl.device)
 
 
-def _quantize_and_send(stream: Stream, module, key: str, spans: dict) -> tuple[torch.Tensor, dict | None]:
+def _quantize_and_send(stream: Stream, entry, spans: dict) -> tuple[torch.Tensor, dict | None]:
     """The reader quantizes piece by piece and sends each rank the part of every piece that falls in its
     span; the others receive theirs in place. Every rank walks the same pieces (piece_bounds)."""
     import torch.distributed as dist
 
-    pl, q = stream.placement, module._finetune_q
+    pl, q = stream.placement, entry.q
     comm, reading = comm_device(pl), pl.rank == pl.reader
     machine = range(pl.reader, pl.reader + pl.local_world)
     lo, hi = spans.get(pl.rank, (0, 0))
     local = torch.empty(max(0, hi - lo), dtype=q["quant_storage"], device=pl.device if reading else comm)
-    pieces = read_pieces(stream.ckpt, key, module, stream.dtype, pl.device) if reading else None
-    total, absmax = packed_elements(module), []
+    pieces = read_pieces(stream.ckpt, entry, stream.dtype, pl.device) if reading else None
+    total, absmax = entry.packed_elements(), []
     size = 2 * local.element_size()  # weight elements per packed element
-    for start, stop in piece_bounds(module)[1]:
-        plo, phi = start // size, (stop // size if stop < module.in_features * module.out_features else total)
+    for start, stop in piece_bounds(entry)[1]:
+        plo, phi = start // size, (stop // size if stop < entry.rows * entry.cols else total)
         if reading:
-            packed, a = quantize_piece(next(pieces), module)
+            packed, a = quantize_piece(next(pieces), q)
             packed = packed.view(-1)
             absmax.append(a)
         for r in machine:
@@ -80,6 +73,6 @@ def _quantize_and_send(stream: Stream, module, key: str, spans: dict) -> tuple[t
             del packed
     if not reading:
         return local.to(pl.device), None
-    shape = torch.Size((module.out_features, module.in_features))
-    qs = quant_state(absmax, shape, stream.dtype, pl.device, module)
+    shape = torch.Size((entry.rows, entry.cols))
+    qs = quant_state(absmax, shape, stream.dtype, pl.device, q)
     return local, {k: v.cpu() if torch.is_tensor(v) else v for k, v in qs.as_dict(packed=True).items()}

@@ -9,9 +9,9 @@ from finetune.util.libc import trim_heap
 QUANT_CHUNK = 2**18  # elements quantized at once: a multiple of every block size and storage width
 
 
-def quantize(weight: torch.Tensor, module) -> tuple[torch.Tensor, object]:
+def quantize(weight: torch.Tensor, q: dict) -> tuple[torch.Tensor, object]:
     """Quantize one weight exactly as transformers' loader does (Params4bit(...).to(device), that is
-    bitsandbytes.functional.quantize_4bit), with the module's block size, double quantization, type and
+    bitsandbytes.functional.quantize_4bit), with the weight's block size, double quantization (`q`: the load plan's entry.q), type and
     storage dtype, but QUANT_CHUNK elements at a time.
 
     Why not one call: bitsandbytes' kernel works on the whole tensor at once, and on CPU its reference
@@ -23,34 +23,34 @@ def quantize(weight: torch.Tensor, module) -> tuple[torch.Tensor, object]:
     quantize_4bit's byte for byte (tests/unit/test_stream_quantize.py)."""
     flat = weight.reshape(-1)
     pieces = (flat[start:start + QUANT_CHUNK] for start in range(0, flat.numel(), QUANT_CHUNK))
-    return quantize_pieces(pieces, weight.shape, weight.dtype, weight.device, module)
+    return quantize_pieces(pieces, weight.shape, weight.dtype, weight.device, q)
 
 
-def quantize_from(ckpt, key: str, module, dtype: torch.dtype, device) -> tuple[torch.Tensor, object]:
-    """`quantize` of the checkpoint's weight `key`, read piece by piece (read_pieces), so the reader never
+def quantize_from(ckpt, entry, dtype: torch.dtype, device) -> tuple[torch.Tensor, object]:
+    """`quantize` of the checkpoint's weight `entry.key`, read piece by piece (read_pieces), so the reader never
     holds the whole unquantized weight either."""
-    pieces = read_pieces(ckpt, key, module, dtype, device)
-    return quantize_pieces(pieces, torch.Size((module.out_features, module.in_features)), dtype, device, module)
+    pieces = read_pieces(ckpt, entry, dtype, device)
+    return quantize_pieces(pieces, torch.Size((entry.rows, entry.cols)), dtype, device, entry.q)
 
 
-def piece_bounds(module) -> tuple[bool, list[tuple[int, int]]]:
+def piece_bounds(entry) -> tuple[bool, list[tuple[int, int]]]:
     """(by rows, the [start, stop) flat element ranges) of the pieces a 4-bit weight is quantized in: blocks
     of whole rows of about QUANT_CHUNK elements, read alone. A block must be a whole number of quantization
     blocks for the result to equal quantize_4bit's; when the row length does not allow it (no real
     model's), QUANT_CHUNK elements at a time of the weight read whole. Every rank can compute them."""
-    rows, cols = module.out_features, module.in_features
+    rows, cols = entry.rows, entry.cols
     step = max(1, QUANT_CHUNK // cols)
-    if (step * cols) % module._finetune_q["blocksize"]:
+    if (step * cols) % entry.q["blocksize"]:
         n = rows * cols
         return False, [(a, min(a + QUANT_CHUNK, n)) for a in range(0, n, QUANT_CHUNK)]
     return True, [(s * cols, min(s + step, rows) * cols) for s in range(0, rows, step)]
 
 
-def read_pieces(ckpt, key: str, module, dtype: torch.dtype, device):
+def read_pieces(ckpt, entry, dtype: torch.dtype, device):
     """The pieces of `piece_bounds`, read, cast and flattened, one at a time."""
-    by_rows, bounds = piece_bounds(module)
+    by_rows, bounds = piece_bounds(entry)
+    key, cols = entry.key, entry.cols
     if by_rows:
-        cols = module.in_features
         for a, b in bounds:
             yield ckpt.read_rows(key, a // cols, b // cols).to(device, dtype).reshape(-1)
         return
@@ -59,32 +59,30 @@ def read_pieces(ckpt, key: str, module, dtype: torch.dtype, device):
         yield flat[a:b]
 
 
-def quantize_pieces(pieces, shape: torch.Size, dtype: torch.dtype, device, module) -> tuple[torch.Tensor, object]:
+def quantize_pieces(pieces, shape: torch.Size, dtype: torch.dtype, device, q: dict) -> tuple[torch.Tensor, object]:
     """quantize_4bit of the weight whose flat elements are the concatenation of `pieces`, each (but the
     last) a whole number of quantization blocks."""
     packed, absmax = [], []
     for piece in pieces:
-        p, a = quantize_piece(piece, module)
+        p, a = quantize_piece(piece, q)
         packed.append(p)
         absmax.append(a)
         del piece, p, a
-    return torch.cat(packed), quant_state(absmax, shape, dtype, device, module)
+    return torch.cat(packed), quant_state(absmax, shape, dtype, device, q)
 
 
-def quantize_piece(piece: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_piece(piece: torch.Tensor, q: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed, absmax) of one block-aligned piece: bitsandbytes' first quantization level alone."""
-    q = module._finetune_q
     p, a = torch.ops.bitsandbytes.quantize_4bit.default(piece, q["blocksize"], q["quant_type"], q["quant_storage"])
     trim_heap()  # the kernel's ~13 bytes/element of temporaries (see quantize), freed but kept by malloc
     return p, a
 
 
-def quant_state(absmax: list, shape: torch.Size, dtype: torch.dtype, device, module):
+def quant_state(absmax: list, shape: torch.Size, dtype: torch.dtype, device, q: dict):
     """The QuantState of a weight from its pieces' absmax: the second level (double quantization: the absmax
     minus its mean, in blocks of 256) runs once on the whole absmax, as bitsandbytes runs it."""
     import bitsandbytes.functional as F
 
-    q = module._finetune_q
     absmax = torch.cat(absmax)
     code = F.get_4bit_type(q["quant_type"], device=device)
     common = dict(shape=shape, dtype=dtype, blocksize=q["blocksize"], code=code, quant_type=q["quant_type"])

@@ -121,18 +121,19 @@ class Stream:
         dev = self.placement.device
         return self._share(lambda: (self.ckpt.read(key).to(dev, dtype), None))[0]
 
-    def quantized(self, key: str, module) -> tuple[torch.Tensor, object]:
-        """(packed 4-bit weight, QuantState) of `module`'s weight on every rank."""
+    def quantized(self, entry) -> tuple[torch.Tensor, object]:
+        """(packed 4-bit weight, QuantState) of the load plan's `entry` on every rank."""
         from bitsandbytes.functional import QuantState
 
         dev = self.placement.device
 
         def make():
+            key = entry.key
             if self.ckpt.prequantized:
                 packed = self.ckpt.read(key).to(dev)
                 stats = self.ckpt.quant_stats(key)
             else:
-                packed, qs = quantize_from(self.ckpt, key, module, self.dtype, dev)
+                packed, qs = quantize_from(self.ckpt, entry, self.dtype, dev)
                 stats = {k: v.cpu() if torch.is_tensor(v) else v for k, v in qs.as_dict(packed=True).items()}
             return packed, stats
 
@@ -190,17 +191,16 @@ class Stream:
         return self.ckpt.read_rows(key, lo, max(lo, hi)).reshape(-1)[start - lo * row:stop - lo * row]
 
 
-def materialize(stream: Stream, module, pname: str):
-    """The whole parameter `pname` of `module`, on every rank (collective)."""
+def materialize(stream: Stream, entry):
+    """The whole parameter of the load plan's `entry`, on every rank (collective)."""
     import bitsandbytes as bnb
 
-    key = module._finetune_keys[pname]
-    if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
-        packed, qs = stream.quantized(key, module)
-        module.quant_state = qs
-        return bnb.nn.Params4bit(packed, requires_grad=False, quant_state=qs, module=module, bnb_quantized=True,
-                                 **module._finetune_q)
-    return torch.nn.Parameter(stream.plain(key, module._finetune_dtypes[pname]), requires_grad=False)
+    if entry.packed:
+        packed, qs = stream.quantized(entry)
+        entry.module.quant_state = qs  # where bitsandbytes finds it again after FSDP gathers the weight
+        return bnb.nn.Params4bit(packed, requires_grad=False, quant_state=qs, module=entry.module, bnb_quantized=True,
+                                 **entry.q)
+    return torch.nn.Parameter(stream.plain(entry.key, entry.dtype), requires_grad=False)
 
 
 def check_stored_config(config, bnb) -> None:

@@ -2,11 +2,11 @@
 of it for `whole`, placeholders under FSDP), and the meta tensors FSDP wraps (the fills after wrapping:
 fsdp2.py, fsdp1.py).
 
-Every parameter the checkpoint holds gets `_finetune_keys[name]` (its checkpoint key) and
-`_finetune_dtypes[name]` on its module; a `Linear4bit` also gets `_finetune_q` (its quantization
-arguments). Under FSDP the parameter is a zero-size placeholder of the right dtype until `wrap`: LoRA is
-attached to a real (CPU) tensor, not a meta one (peft would put the adapters on meta), and `before_wrap`
-swaps the placeholders for meta tensors of the full shape that FSDP then shards.
+Every parameter the checkpoint holds gets an entry in the load plan (loadplan.py: its checkpoint key,
+dtype, shape and, for a 4-bit weight, its quantization arguments); nothing is written onto the modules.
+Under FSDP the parameter is a zero-size placeholder of the right dtype until `wrap`: LoRA is attached to a
+real (CPU) tensor, not a meta one (peft would put the adapters on meta), and `before_wrap` swaps the
+placeholders for meta tensors of the full shape that FSDP then shards.
 """
 from __future__ import annotations
 
@@ -14,15 +14,11 @@ from pathlib import Path
 
 import torch
 
-from finetune.weights.heap import loading_objects_only, release_freed_memory
-from finetune.weights.reader import (
-    Checkpoint,
-    Placement,
-    Stream,
-    check_stored_config,
-    materialize,
-)
 from finetune.util.errors import RecipeError
+from finetune.weights.heap import loading_objects_only, release_freed_memory
+from finetune.weights.loadplan import Entry, LoadPlan
+from finetune.weights.placement import Placement
+from finetune.weights.reader import Checkpoint, Stream, check_stored_config, materialize
 
 
 def skeleton(path: Path, config, dtype: torch.dtype, bnb, prequantized: bool, attn: str, trust: bool):
@@ -46,9 +42,9 @@ def skeleton(path: Path, config, dtype: torch.dtype, bnb, prequantized: bool, at
     return model, quantizer
 
 
-def tag_parameters(model, ckpt: Checkpoint) -> list[tuple[torch.nn.Module, str]]:
-    """Record each parameter's checkpoint key on its module; [(module, name)] in model order. A parameter
-    the checkpoint lacks is a RecipeError naming it (tied parameters are set once, through their owner)."""
+def plan_entries(model, ckpt: Checkpoint) -> list[Entry]:
+    """An entry for each parameter, in model order. A parameter the checkpoint lacks is a RecipeError
+    naming it (tied parameters are set once, through their owner)."""
     import bitsandbytes as bnb
 
     cfg = model.config
@@ -63,15 +59,13 @@ def tag_parameters(model, ckpt: Checkpoint) -> list[tuple[torch.nn.Module, str]]
             if not ckpt.link(key, mt, experts):
                 missing.append(key)
                 continue
-            module.__dict__.setdefault("_finetune_keys", {})[pname] = key
-            module.__dict__.setdefault("_finetune_dtypes", {})[pname] = p.dtype
-            module.__dict__.setdefault("_finetune_shapes", {})[pname] = tuple(p.shape)
+            entry = Entry(module, pname, key, p.dtype, tuple(p.shape))
             if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
                 w = module.weight
-                module._finetune_q = {"blocksize": w.blocksize, "compress_statistics": w.compress_statistics,
-                                      "quant_type": w.quant_type, "quant_storage": w.quant_storage}
-                module._finetune_dtypes[pname] = w.quant_storage
-            out.append((module, pname))
+                entry.q = {"blocksize": w.blocksize, "compress_statistics": w.compress_statistics,
+                           "quant_type": w.quant_type, "quant_storage": w.quant_storage}
+                entry.dtype = w.quant_storage
+            out.append(entry)
     if missing:
         raise RecipeError([f"model.name: {ckpt.path} has no tensor '{k}' the model needs" for k in missing[:5]])
     return out
@@ -79,7 +73,8 @@ def tag_parameters(model, ckpt: Checkpoint) -> list[tuple[torch.nn.Module, str]]
 
 @loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
 def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement, attn: str, trust: bool):
-    """The frozen base for `placement` (see the package doc). `bnb`: a 4-bit BitsAndBytesConfig or None."""
+    """(the frozen base for `placement` (see the package doc), its load plan: None when every weight is
+    set, as for `whole`). `bnb`: a 4-bit BitsAndBytesConfig or None."""
     ckpt = Checkpoint(path)
     if ckpt.prequantized and bnb is None:
         raise RecipeError([f"model.name: {path} is a pre-quantized 4-bit checkpoint; set quantization.mode "
@@ -87,14 +82,13 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
     if ckpt.prequantized:
         check_stored_config(config, bnb)
     model, quantizer = skeleton(path, config, dtype, bnb, ckpt.prequantized, attn, trust)
-    stream = Stream(ckpt, placement, dtype)
-    for module, pname in tag_parameters(model, ckpt):
-        module._finetune_stream = stream
+    plan = LoadPlan(Stream(ckpt, placement, dtype), plan_entries(model, ckpt))
+    for e in plan.entries:
         if placement.mode == "whole":
-            module._parameters[pname] = materialize(stream, module, pname)
+            setattr(e.module, e.name, materialize(plan.stream, e))
             release_freed_memory()
         else:
-            module._parameters[pname] = cpu_placeholder(module, pname)
+            setattr(e.module, e.name, cpu_placeholder(e))
     if placement.mode == "whole":
         # Buffers (RoPE's inv_freq) were made real on the CPU with the skeleton; a whole model is used where it
         # is loaded (eval, generate), and FSDP and Accelerate move the others with the parameters.
@@ -107,22 +101,19 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
     if quantizer is not None:
         quantizer.postprocess_model(model)
     model.eval()  # as from_pretrained returns it
-    return model
+    if placement.mode == "whole":
+        plan.release()
+        return model, None
+    return model, plan
 
 
-def tagged(model):
-    for module in model.modules():
-        for pname in getattr(module, "_finetune_keys", {}):
-            yield module, pname
-
-
-def before_wrap(model) -> None:
+def before_wrap(model, plan: LoadPlan) -> None:
     """FSDP: placeholders -> meta tensors of the parameter's full shape, which FSDP shards without memory.
     A tied head is tied again to the new embedding tensor, so FSDP sees (and shards) one parameter."""
-    for module, pname in tagged(model):
-        p = module._parameters[pname]
+    for e in plan.entries:
+        p = getattr(e.module, e.name)
         if not p.is_meta and (p.numel() == 0 or not any(p.stride())):
-            module._parameters[pname] = placeholder(module, pname, full_shape(module, pname), "meta")
+            setattr(e.module, e.name, placeholder(e, e.full_shape(), "meta"))
     retie(model)
 
 
@@ -133,34 +124,21 @@ def retie(model) -> None:
         hf.tie_weights()
 
 
-def cpu_placeholder(module, pname: str) -> torch.nn.Parameter:
+def cpu_placeholder(e: Entry) -> torch.nn.Parameter:
     """The parameter until FSDP shards it: zero-size, except a fused 3-D MoE expert parameter, which peft's
     ParamWrapper sizes its adapters from (E x in x out): a one-element tensor expanded to the full shape,
     which has that shape and holds no memory."""
-    full = module._finetune_shapes[pname]
-    if len(full) == 3 and not hasattr(module, "_finetune_q"):
-        data = torch.empty((1, 1, 1), dtype=module._finetune_dtypes[pname]).expand(full)
-        return torch.nn.Parameter(data, requires_grad=False)
-    return placeholder(module, pname, (0,), "cpu")
+    if len(e.shape) == 3 and not e.packed:
+        return torch.nn.Parameter(torch.empty((1, 1, 1), dtype=e.dtype).expand(e.shape), requires_grad=False)
+    return placeholder(e, (0,), "cpu")
 
 
-def placeholder(module, pname: str, shape: tuple, device: str) -> torch.nn.Parameter:
+def placeholder(e: Entry, shape: tuple, device: str) -> torch.nn.Parameter:
     """An unset parameter of the right class and dtype: a Params4bit (with its quantization arguments,
     which peft reads when it wraps the layer) for a 4-bit weight, a plain frozen Parameter otherwise."""
-    data = torch.empty(shape, dtype=module._finetune_dtypes[pname], device=device)
-    if hasattr(module, "_finetune_q") and pname == "weight":
+    data = torch.empty(shape, dtype=e.dtype, device=device)
+    if e.packed:
         import bitsandbytes as bnb
 
-        return bnb.nn.Params4bit(data, requires_grad=False, module=module, bnb_quantized=True, **module._finetune_q)
+        return bnb.nn.Params4bit(data, requires_grad=False, module=e.module, bnb_quantized=True, **e.q)
     return torch.nn.Parameter(data, requires_grad=False)
-
-
-def full_shape(module, pname: str) -> tuple[int, ...]:
-    """The parameter's shape when set: packed 4-bit weights are (bytes / storage itemsize, 1), as
-    bitsandbytes' quantize_4bit returns them."""
-    if hasattr(module, "_finetune_q") and pname == "weight":
-        nbytes = (module.in_features * module.out_features + 1) // 2
-        return (nbytes // torch.empty((), dtype=module._finetune_q["quant_storage"]).element_size(), 1)
-    return module._finetune_shapes[pname]
-
-

@@ -23,13 +23,13 @@ SEQ, GLOBAL_BATCH = 32, 8
 def load_qlora_model(placement=None):
     """The tiny base in 4-bit NF4 (double quant, bf16 compute, fp32 storage, fp32 model) + LoRA r=16 on
     every linear, dropout 0 so 1 and 2 processes compute the same thing. Under FSDP the streaming loader
-    leaves the base to `fill_shards`, after wrapping, which gives each rank its shard."""
+    leaves the base to `fill_shards`, after wrapping, which gives each rank its shard: (model, load plan)."""
     from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import load_model
+    from finetune.weights.model import load_with_plan
 
-    model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), placement, quiet=True)
-    return apply_lora(model, LoraSpec(r=16, alpha=32, dropout=0.0), seed=0)
+    model, plan = load_with_plan(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), placement, quiet=True)
+    return apply_lora(model, LoraSpec(r=16, alpha=32, dropout=0.0), seed=0), plan
 
 
 def batches(steps: int):
@@ -134,12 +134,12 @@ def main(argv: list[str]) -> int:
     from finetune.weights.placement import placement_for
     from finetune.weights.model import fill_shards
 
-    full_bytes = param_bytes(load_qlora_model())  # the whole model, as one process holds it
-    model = load_qlora_model(placement_for(acc))
+    full_bytes = param_bytes(load_qlora_model()[0])  # the whole model, as one process holds it
+    model, plan = load_qlora_model(placement_for(acc))
     opt = build_optimizer(model.named_parameters(), train)
     sched = build_scheduler(opt, train, args.steps)
-    model, opt = D.wrap(acc, model, opt)
-    fill_shards(model)
+    model, opt = D.wrap(acc, model, opt, plan)
+    fill_shards(model, plan)
     # Parameter objects after prepare (FSDP2 swaps them for DTensors): name them for the optimizer report.
     names_after = {id(p): n.replace("_fsdp_wrapped_module.", "") for n, p in model.named_parameters()}
 

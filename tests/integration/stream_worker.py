@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
     from finetune.train import parallel as D
     from finetune.weights.placement import placement_for
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import fill_shards, load_model
+    from finetune.weights.model import fill_shards, load_with_plan
     from finetune.train.optim import build_optimizer
 
     train = TrainSpec(optimizer="adamw_torch", mixed_precision="no")
@@ -91,11 +91,11 @@ def main(argv: list[str]) -> int:
                              "float32")
     spec = ModelSpec(name=args.model, gradient_checkpointing=False)
     placement = placement_for(acc)
-    model = apply_lora(load_model(spec, QuantizationSpec(), placement, quiet=True),
-                       LoraSpec(r=8, alpha=16, dropout=0.0), seed=0)
+    model, plan = load_with_plan(spec, QuantizationSpec(), placement, quiet=True)
+    model = apply_lora(model, LoraSpec(r=8, alpha=16, dropout=0.0), seed=0)
     opt = build_optimizer(model.named_parameters(), train)
-    model, opt = D.wrap(acc, model, opt)
-    fill_shards(model)
+    model, opt = D.wrap(acc, model, opt, plan)
+    fill_shards(model, plan)
     with torch.no_grad():
         logits = model(input_ids=torch.arange(24).view(2, 12) % 300).logits.float()
     facts = {"logits": logits, "fsdp2": fsdp2_holdings(model), "reader": placement.reader}

@@ -22,7 +22,7 @@ def test_a_diverged_run_stops_and_publishes_nothing(tmp_path, capsys, max_grad_n
                         "optimizer": "adamw_torch", "max_grad_norm": max_grad_norm},
               "output": {"dir": str(run), "progress_bar": False}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
-    assert cli.main([str(tmp_path / "r.yaml")]) == 2
+    assert cli.main([str(tmp_path / "r.yaml")]) == 3  # a run error, not bad input
     err = capsys.readouterr().err
     assert "training diverged at step 1" in err and "Traceback" not in err, err
     assert not (run / "adapter").exists() and not (run / "checkpoints").exists()

@@ -157,7 +157,7 @@ def test_gathered_adapter_reproduces_fsdp_logits(runs, version):
     assert adapter["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (16, 512)
     assert all(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)  # trained (B starts at 0)
 
-    model = _worker_module().load_qlora_model()
+    model, _ = _worker_module().load_qlora_model()
     result = set_peft_model_state_dict(model, adapter)
     assert not result.unexpected_keys and not [k for k in result.missing_keys if "lora_" in k]
     disable_cpu_weight_repacking(model)

@@ -121,7 +121,7 @@ def test_a_second_run_into_a_dir_in_use_stops_and_a_dead_holder_does_not_block(r
     try:
         assert holder.stdout.readline().strip() == "held"
         before = snapshot(run_dir)
-        assert cli.main([recipe, "train.max_steps=3"]) == 2
+        assert cli.main([recipe, "train.max_steps=3"]) == 3  # a run error, not bad input
         err = capsys.readouterr().err
         assert f"is in use by another run (pid {holder.pid} on " in err and "Traceback" not in err
         assert snapshot(run_dir) == before

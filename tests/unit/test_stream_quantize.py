@@ -7,9 +7,9 @@ from finetune.weights import quantize as Q
 from finetune.weights import reader
 
 
-class _Module:  # what the loader records on a Linear4bit (`_finetune_q`)
+class _Entry:  # the load plan's entry for a 4-bit weight (weights/loadplan.py), without a module
     def __init__(self, **q):
-        self._finetune_q = q
+        self.q, self.key = q, "w"
 
 
 @pytest.mark.parametrize("shape,storage,nested,qtype", [
@@ -23,7 +23,7 @@ def test_pieces_equal_one_call(shape, storage, nested, qtype, monkeypatch):
     monkeypatch.setattr(Q, "QUANT_CHUNK", 2**11)
     w = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
     q = dict(blocksize=64, compress_statistics=nested, quant_type=qtype, quant_storage=storage)
-    got, got_state = Q.quantize(w, _Module(**q))
+    got, got_state = Q.quantize(w, q)
     want, want_state = F.quantize_4bit(w, blocksize=64, compress_statistics=nested, quant_type=qtype,
                                        quant_storage=storage)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -45,9 +45,9 @@ def test_row_blocks_from_checkpoint_equal_one_call(shape, blocks, tmp_path, monk
     ckpt = reader.Checkpoint(tmp_path)
     reads = []
     monkeypatch.setattr(reader.Checkpoint, "read", lambda self, key: reads.append("whole") or w.clone())
-    module = _Module(blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16)
-    module.out_features, module.in_features = shape
-    got, got_state = Q.quantize_from(ckpt, "w", module, torch.bfloat16, torch.device("cpu"))
+    entry = _Entry(blocksize=64, compress_statistics=True, quant_type="nf4", quant_storage=torch.bfloat16)
+    entry.rows, entry.cols = shape
+    got, got_state = Q.quantize_from(ckpt, entry, torch.bfloat16, torch.device("cpu"))
     want, want_state = F.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4",
                                        quant_storage=torch.bfloat16)
     assert reads == ([] if blocks else ["whole"])

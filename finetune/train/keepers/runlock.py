@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from finetune.util.errors import RecipeError
+from finetune.util.errors import RunError
 from finetune.util.log import log
 
 LOCK_NAME = ".lock"
@@ -56,7 +56,7 @@ def _lock(fd: int, run_dir: Path):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            raise RecipeError([f"output.dir: {run_dir} is in use by another run ({_holder(fd)}); wait for it to "
+            raise RunError([f"output.dir: {run_dir} is in use by another run ({_holder(fd)}); wait for it to "
                                "finish (or stop it), or choose another output.dir"]) from None
         log.warning(f"output.dir: cannot lock {run_dir / LOCK_NAME} ({e.strerror}); make sure no other run "
                     "writes into this directory")

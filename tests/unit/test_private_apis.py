@@ -1,0 +1,55 @@
+"""Private library internals are where an upgrade (or the GPU image's older torch) breaks us first
+(docs/architecture.md, "Private library internals"). None of torch FSDP2's may be used anywhere, and a torch
+function may be replaced (even for the length of a `with`) only in the modules listed here, each with the
+reason and the test that pins it."""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
+# FSDP2's internals: the shard fill goes through DTensor.from_local and load_state_dict(assign=True).
+FSDP2_PRIVATE = ("_get_fsdp_state", "FSDPParam", "_local_tensor", "reset_sharded_param", "_fsdp_param_group",
+                 "_module_info", "sharded_param")
+# module -> why it still replaces torch functions (see docs/architecture.md for the pin tests).
+PATCHES_TORCH = {"weights/fsdp1.py": "FSDP1 over meta parameters: _get_compute_device and flat_param_to"}
+
+
+def _sources():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield str(path.relative_to(PACKAGE)), path.read_text()
+
+
+def test_no_fsdp2_private_attribute_is_used():
+    found = [f"{name}: {word}" for name, src in _sources() for word in FSDP2_PRIVATE if word in src]
+    assert found == []
+
+
+def torch_attribute_assignments(src: str) -> list[str]:
+    """`x.attr = ...` (or in a tuple target) where x is a name this source imported from torch."""
+    tree = ast.parse(src)
+    from_torch = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            from_torch |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            from_torch |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "torch"}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    base = t
+                    while isinstance(base, ast.Attribute):
+                        base = base.value
+                    if isinstance(t, ast.Attribute) and isinstance(base, ast.Name) and base.id in from_torch:
+                        out.append(ast.unparse(t))
+    return out
+
+
+def test_torch_functions_are_replaced_only_where_listed():
+    patching = {name for name, src in _sources() if torch_attribute_assignments(src)}
+    assert patching == set(PATCHES_TORCH)
+
+
+def test_the_patch_finder_finds_patches():
+    src = "import torch\nfrom torch.distributed.fsdp import _init_utils as u\nu.f, x = 1, 2\ntorch.cuda.g = 3\ny.z = 4\n"
+    assert torch_attribute_assignments(src) == ["u.f", "torch.cuda.g"]
