@@ -52,8 +52,6 @@ class Setup:
     sharding: str = "FULL_SHARD"
     reshard_after_forward: bool | None = None
     offload: bool = False
-    cpu_ram_efficient_loading: bool = True
-    low_cpu_mem_usage: bool = True
     checkpointing: bool = True
     activation_offload: bool = False  # checkpointed layer inputs in pinned CPU memory (GPU only)
     # the loss path (plan.logits): "chunked" (train.loss), "full" (cross_entropy on all logits at once) or
@@ -86,8 +84,8 @@ def from_recipe(recipe) -> Setup:
                  double_quant=q.double_quant, quant_storage=recipe.effective_quant_storage(),
                  model_dtype=m.dtype, mixed_precision=t.mixed_precision, optimizer=t.optimizer, strategy=d.strategy,
                  fsdp_version=f.version, sharding=f.sharding_strategy, reshard_after_forward=f.reshard_after_forward,
-                 offload=f.cpu_offload and d.strategy == "fsdp", cpu_ram_efficient_loading=f.cpu_ram_efficient_loading,
-                 low_cpu_mem_usage=m.low_cpu_mem_usage, checkpointing=m.gradient_checkpointing,
+                 offload=f.cpu_offload and d.strategy == "fsdp",
+                 checkpointing=m.gradient_checkpointing,
                  activation_offload=m.activation_offloading, loss_chunk_tokens=t.loss_chunk_tokens,
                  attn=m.attn_implementation)
 

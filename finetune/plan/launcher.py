@@ -10,8 +10,8 @@ Mixed precision means two different things to Accelerate: with FSDP it is also t
 recipe's own autocast (`train.mixed_precision`). Without FSDP it is the autocast dtype itself.
 
 Key names follow accelerate 1.15 (`accelerate/commands/config/cluster.py`, `utils/launch.py`): FSDP2 takes a
-boolean `fsdp_reshard_after_forward`, FSDP1 takes the sharding strategy name in the same key, and the
-launcher refuses `fsdp_cpu_ram_efficient_loading` without `fsdp_sync_module_states`.
+boolean `fsdp_reshard_after_forward`, FSDP1 takes the sharding strategy name in the same key. Rank-0 loading
+(`fsdp_cpu_ram_efficient_loading`, `fsdp_sync_module_states`) is written off: the streaming loader replaces it.
 """
 from __future__ import annotations
 
@@ -66,11 +66,11 @@ def fsdp_config(r: Recipe) -> dict:
         cfg["fsdp_forward_prefetch"] = f.forward_prefetch
         cfg["fsdp_use_orig_params"] = f.use_orig_params
     cfg["fsdp_offload_params"] = f.cpu_offload
-    cfg["fsdp_cpu_ram_efficient_loading"] = f.cpu_ram_efficient_loading
-    # accelerate launch refuses cpu_ram_efficient_loading without sync_module_states (for both versions).
-    sync = f.sync_module_states if f.sync_module_states is not None else f.cpu_ram_efficient_loading
-    cfg["fsdp_sync_module_states"] = bool(sync or f.cpu_ram_efficient_loading)
-    cfg["fsdp_state_dict_type"] = f.state_dict_type
+    # Off: the streaming loader is the one reader per machine, and training passes them off to Accelerate
+    # whatever the launcher says (train/parallel.fsdp_plugin_kwargs); written so the file says what happens.
+    cfg["fsdp_cpu_ram_efficient_loading"] = False
+    cfg["fsdp_sync_module_states"] = False
+    cfg["fsdp_state_dict_type"] = "SHARDED_STATE_DICT"
     # transformers already checkpoints each layer (model.gradient_checkpointing); FSDP's own wrapper on top
     # would recompute twice.
     cfg["fsdp_activation_checkpointing"] = False
@@ -279,9 +279,7 @@ def _fsdp_env_problems(r: Recipe, env) -> list[Problem]:
     if version and int(version) != f.version:
         out.append(Problem(level="error", path="fsdp.version", message=f"launcher FSDP_VERSION={version}, recipe "
                            f"fsdp.version={f.version}", fix=f"set fsdp_version: {f.version} in the launcher config"))
-    checks = [("FSDP_OFFLOAD_PARAMS", f.cpu_offload, "fsdp.cpu_offload", "fsdp_offload_params"),
-              ("FSDP_CPU_RAM_EFFICIENT_LOADING", f.cpu_ram_efficient_loading, "fsdp.cpu_ram_efficient_loading",
-               "fsdp_cpu_ram_efficient_loading")]
+    checks = [("FSDP_OFFLOAD_PARAMS", f.cpu_offload, "fsdp.cpu_offload", "fsdp_offload_params")]
     if f.version == 1:
         checks.append(("FSDP_USE_ORIG_PARAMS", f.use_orig_params, "fsdp.use_orig_params", "fsdp_use_orig_params"))
     for key, want, path, yaml_key in checks:
@@ -289,10 +287,6 @@ def _fsdp_env_problems(r: Recipe, env) -> list[Problem]:
         if got is not None and got != want:
             out.append(Problem(level="error", path=path, message=f"launcher {key}={env[key]}, recipe {path}={want}",
                                fix=f"set {yaml_key}: {str(want).lower()} in the launcher config"))
-    sd = env.get("FSDP_STATE_DICT_TYPE")
-    if sd and sd.upper() != f.state_dict_type:
-        out.append(Problem(level="warning", path="fsdp.state_dict_type", message=f"launcher FSDP_STATE_DICT_TYPE={sd}, "
-                           f"recipe {f.state_dict_type}; the recipe's value is used", fix="make them agree"))
     if _flag(env, "FSDP_ACTIVATION_CHECKPOINTING") and r.model.gradient_checkpointing:
         out.append(Problem(level="error", path="model.gradient_checkpointing",
                            message="both FSDP (FSDP_ACTIVATION_CHECKPOINTING) and transformers checkpoint each layer: "

@@ -140,7 +140,7 @@ def _precision_problems(r) -> list[Problem]:
 def _fsdp_option_problems(r) -> list[Problem]:
     """FSDP options that only one FSDP version (or only FSDP) reads, and other FSDP misfits."""
     out: list[Problem] = []
-    f, d, t = r.fsdp, r.distributed, r.train
+    f, d = r.fsdp, r.distributed
     defaults = type(f)()  # the schema defaults, without importing the schema
     if f.cpu_offload and d.strategy != "fsdp":
         out.append(Problem(level="error", path="fsdp.cpu_offload",
@@ -151,8 +151,7 @@ def _fsdp_option_problems(r) -> list[Problem]:
     if f.version == 2:
         fsdp1_only = [("use_orig_params", "FSDP2 always keeps original parameters"),
                       ("backward_prefetch", "FSDP2 prefetches on its own"),
-                      ("forward_prefetch", "FSDP2 prefetches on its own"),
-                      ("sync_module_states", "FSDP2 broadcasts through cpu_ram_efficient_loading")]
+                      ("forward_prefetch", "FSDP2 prefetches on its own")]
         for name, why in fsdp1_only:
             if getattr(f, name) != getattr(defaults, name):
                 out.append(Problem(level="warning", path=f"fsdp.{name}", message=f"only FSDP1 reads it; {why}",
@@ -165,20 +164,9 @@ def _fsdp_option_problems(r) -> list[Problem]:
         out.append(Problem(level="warning", path="fsdp.reshard_after_forward",
                            message="only FSDP2 reads it; FSDP1 uses sharding_strategy",
                            fix="use fsdp.sharding_strategy (SHARD_GRAD_OP keeps parameters after forward)"))
-    if f.version == 1 and f.cpu_ram_efficient_loading and f.sync_module_states is False:
-        out.append(Problem(level="error", path="fsdp.sync_module_states",
-                           message="cpu_ram_efficient_loading leaves ranks > 0 empty; without sync_module_states "
-                                   "they train on uninitialised weights", fix="set fsdp.sync_module_states: true"))
     if f.sharding_strategy == "HYBRID_SHARD" and d.num_machines == 1:
         out.append(Problem(level="warning", path="fsdp.sharding_strategy",
                            message="HYBRID_SHARD on one machine is FULL_SHARD", fix="use FULL_SHARD"))
-    if t.optimizer != "adamw_torch" and f.state_dict_type == "FULL_STATE_DICT":
-        # FSDP's full optimizer state dict flattens/unflattens every state to the parameter's shape;
-        # bitsandbytes' blockwise states (uint8 moments + absmax per 256 values) do not survive it
-        # (LLaMA-Factory #5619, axolotl #2744): checkpoints fail to save or resume.
-        out.append(Problem(level="error", path="fsdp.state_dict_type",
-                           message=f"{t.optimizer} state cannot be gathered into FSDP's FULL_STATE_DICT",
-                           fix="set fsdp.state_dict_type: SHARDED_STATE_DICT, or train.optimizer: adamw_torch"))
     if f.auto_wrap_policy == "size" and f.transformer_layer_cls:
         out.append(Problem(level="warning", path="fsdp.transformer_layer_cls",
                            message="ignored by auto_wrap_policy: size", fix="drop it, or use auto_wrap_policy: transformer"))

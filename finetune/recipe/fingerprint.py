@@ -23,8 +23,7 @@ from finetune.util.redact import redact
 FREE = ("train.max_steps", "train.epochs", "train.log_every", "train.eval_every", "train.save_every",
         "train.keep_checkpoints", "train.resume", "eval.", "output.", "distributed.timeout_minutes",
         "distributed.backend", "model.attn_implementation", "model.gradient_checkpointing",
-        "model.reentrant_checkpointing", "model.low_cpu_mem_usage", "model.trust_remote_code",
-        "model.allow_pickle", "fsdp.cpu_offload", "fsdp.cpu_ram_efficient_loading", "fsdp.sync_module_states",
+        "model.reentrant_checkpointing", "model.trust_remote_code", "model.allow_pickle", "fsdp.cpu_offload",
         "fsdp.backward_prefetch", "fsdp.forward_prefetch")
 
 

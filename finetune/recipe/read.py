@@ -180,12 +180,39 @@ def resolve_auto_strategy(data: dict, world: int | None = None) -> bool:
     return True
 
 
-def from_dict(data: dict, source: str | None = None, world: int | None = None) -> Recipe:
+# Keys that once existed and did nothing: the streaming loader always reads the checkpoint once per machine
+# and sends each rank only its part, and checkpoints always hold the gathered adapter and each rank's
+# optimizer state. A recipe that sets one is told so by name; a run dir's recipe.yaml written before they
+# went (where they are only the defaults written out) loads without them.
+REMOVED = {
+    ("model", "low_cpu_mem_usage"): "the streaming loader always reads one tensor at a time",
+    ("fsdp", "cpu_ram_efficient_loading"): "the streaming loader always reads the checkpoint once per machine and "
+                                           "sends each rank only its shard",
+    ("fsdp", "sync_module_states"): "every rank receives its shard from the machine's reader; nothing is broadcast "
+                                    "at wrap time",
+    ("fsdp", "state_dict_type"): "checkpoints always hold the adapter gathered to full shapes and each rank's "
+                                 "optimizer state",
+}
+
+
+def removed_keys(data: dict, quiet: bool = False) -> dict:
+    """`data` without the REMOVED keys; RecipeError naming each one it sets unless `quiet`."""
+    found = [(sec, key) for sec, key in REMOVED if isinstance(data.get(sec), dict) and key in data[sec]]
+    if found and not quiet:
+        raise RecipeError([f"{sec}.{key}: this setting was removed: {REMOVED[sec, key]}. Fix: delete it from the "
+                           "recipe" for sec, key in found])
+    data = dict(data)
+    for sec, key in found:
+        data[sec] = {k: v for k, v in data[sec].items() if k != key}
+    return data
+
+
+def from_dict(data: dict, source: str | None = None, world: int | None = None, old_keys_ok: bool = False) -> Recipe:
     """Validate a recipe dict; `world` is the process count `strategy: auto` is resolved for (see
-    resolve_auto_strategy)."""
+    resolve_auto_strategy). `old_keys_ok`: drop REMOVED keys instead of refusing them (a run dir's recipe)."""
     try:
         if isinstance(data, dict):
-            data = dict(data)
+            data = removed_keys(data, quiet=old_keys_ok)
             auto = resolve_auto_strategy(data, world)
             r = Recipe.model_validate(data)
             r.distributed._from_auto = auto
@@ -197,12 +224,13 @@ def from_dict(data: dict, source: str | None = None, world: int | None = None) -
         raise RecipeError([str(e)], source) from None
 
 
-def load(path: str | os.PathLike, overrides: list[str] | None = None, world: int | None = None) -> Recipe:
+def load(path: str | os.PathLike, overrides: list[str] | None = None, world: int | None = None,
+         old_keys_ok: bool = False) -> Recipe:
     """Read, override and validate a recipe. Raises RecipeError with every problem at once. `world`: the
-    process count to plan for when it is not the launcher's (`--gpus`)."""
+    process count to plan for when it is not the launcher's (`--gpus`); `old_keys_ok`: see from_dict."""
     data = read_yaml(path)
     data = apply_overrides(data, list(overrides or []))
-    return from_dict(data, str(path), world)
+    return from_dict(data, str(path), world, old_keys_ok)
 
 
 

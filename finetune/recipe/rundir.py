@@ -57,4 +57,4 @@ def write_recipe(run_dir: Path, recipe: Recipe):
 
 
 def read_recipe(run_dir: Path) -> Recipe:
-    return load(Path(run_dir) / "recipe.yaml")
+    return load(Path(run_dir) / "recipe.yaml", old_keys_ok=True)  # written with every default of its day

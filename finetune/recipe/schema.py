@@ -65,10 +65,6 @@ class ModelSpec(_Section):
     """Allow a model repository to run its own Python code. Off: only architectures transformers ships."""
     allow_pickle: bool = False
     """Allow loading `.bin`/`.pt` (pickle) weights. Off: safetensors only, as pickle can execute code."""
-    low_cpu_mem_usage: bool = True
-    """Load weights one shard at a time instead of materialising a random-init copy first. Only int8 and
-    pickle bases load through transformers where this applies; the streaming 4-bit loader always builds
-    the model on the meta device and reads one tensor at a time."""
 
 
 class QuantizationSpec(_Section):
@@ -273,17 +269,10 @@ class FsdpSpec(_Section):
     """Size threshold for `auto_wrap_policy: size`."""
     cpu_offload: bool = False
     """Keep sharded parameters (and their optimizer state) in CPU RAM between uses."""
-    cpu_ram_efficient_loading: bool = True
-    """Accelerate's rank-0 loading, for the launcher config. The streaming loader reads with one
-    process (rank 0) and hands every rank only its shard whatever this says."""
-    sync_module_states: bool | None = None
-    """FSDP1: broadcast rank 0's weights at wrap time (null: follow cpu_ram_efficient_loading)."""
     backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NONE"] = "BACKWARD_PRE"
     """FSDP1: when to prefetch the next all-gather in backward."""
     forward_prefetch: bool = False
     """FSDP1: prefetch the next all-gather in forward."""
-    state_dict_type: Literal["FULL_STATE_DICT", "SHARDED_STATE_DICT"] = "SHARDED_STATE_DICT"
-    """How optimizer state is checkpointed; the adapter is always gathered to full shapes."""
     use_orig_params: bool = True
     """FSDP1: keep original parameters visible (needed for frozen + trainable mixes like QLoRA)."""
     mixed_precision_param_dtype: DType | None = None

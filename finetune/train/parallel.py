@@ -59,8 +59,13 @@ def fsdp_plugin_kwargs(fsdp: FsdpSpec, model_dtype: str, on_cpu: bool) -> dict:
     recipe. Settings a version does not have are passed as None (the plugin warns or raises otherwise).
     """
     v1 = fsdp.version == 1
-    kw: dict = {"fsdp_version": fsdp.version, "state_dict_type": fsdp.state_dict_type,
+    # state_dict_type: only Accelerate's save_state reads it, which no checkpoint here uses (the adapter is
+    # gathered, each rank saves its optimizer state); fixed so a launcher's variable cannot change it.
+    kw: dict = {"fsdp_version": fsdp.version, "state_dict_type": "SHARDED_STATE_DICT",
                 "activation_checkpointing": False}  # checkpointing is model.gradient_checkpointing's job
+    # Accelerate's rank-0 loading (and FSDP1's broadcast at wrap time) would broadcast rank 0's placeholders:
+    # the streaming loader already is the one-reader path, and every rank receives its shard from it.
+    kw["cpu_ram_efficient_loading"] = False
     if v1:
         # Accelerate takes FSDP1's strategy as `reshard_after_forward` too; `sharding_strategy` is deprecated.
         kw["reshard_after_forward"] = fsdp.sharding_strategy
@@ -84,18 +89,10 @@ def fsdp_plugin_kwargs(fsdp: FsdpSpec, model_dtype: str, on_cpu: bool) -> dict:
     # available" for FSDP1 and FSDP2 offload alike (measured). docs/gpu_paths.md.
     kw["cpu_offload"] = fsdp.cpu_offload and not on_cpu
     if v1:
-        sync = fsdp.sync_module_states if fsdp.sync_module_states is not None else fsdp.cpu_ram_efficient_loading
-        # sync_module_states broadcasts through a device; the plugin raises "no available devices" on CPU.
-        # cpu_ram_efficient_loading forces sync on in FSDP1, so both go off together there.
-        kw["sync_module_states"] = sync and not on_cpu
-        kw["cpu_ram_efficient_loading"] = fsdp.cpu_ram_efficient_loading and not on_cpu
+        kw["sync_module_states"] = False
         kw["backward_prefetch"] = "NO_PREFETCH" if fsdp.backward_prefetch == "NONE" else fsdp.backward_prefetch
         kw["forward_prefetch"] = fsdp.forward_prefetch
         kw["use_orig_params"] = fsdp.use_orig_params
-    else:
-        # FSDP2 leaves 4-bit models (Params4bit) loaded on every rank; for plain models Accelerate moves
-        # the model to meta and broadcasts rank 0's weights.
-        kw["cpu_ram_efficient_loading"] = fsdp.cpu_ram_efficient_loading
     if fsdp.mixed_precision_param_dtype is not None:
         kw["mixed_precision_policy"] = _fsdp_mixed_precision(fsdp.version, torch_dtype(fsdp.mixed_precision_param_dtype))
     return kw
@@ -270,10 +267,6 @@ def wrap(accelerator, model, optimizer, plan=None):
     if fsdp:
         plugin = accelerator.state.fsdp_plugin
         complete_wrap_policy(plugin, model)
-        # Accelerate's own rank-0 loading would broadcast rank 0's placeholders: the streaming loader
-        # already is the one-reader path, so its broadcasts are off (all ranks receive the same weights).
-        plugin.cpu_ram_efficient_loading = False
-        plugin.sync_module_states = False
     meta = fsdp and plan is not None
     if meta:
         # The streaming loader left the base as placeholders: FSDP shards meta tensors of the full shape.

@@ -168,11 +168,6 @@ def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
                            message="this GPU has no native bf16 (compute capability below 8.0, e.g. T4, V100)",
                            fix="set train.mixed_precision: fp16, quantization.compute_dtype: float16, model.dtype: "
                                "float32 and lora.dtype: float32 (fp16 trains with loss scaling)"))
-    if launched and not count and d.strategy == "fsdp" and (r.fsdp.cpu_ram_efficient_loading or r.fsdp.sync_module_states):
-        out.append(Problem(level="error", path="fsdp.cpu_ram_efficient_loading",
-                           message="no GPU: Accelerate's FSDP plugin cannot broadcast module states (rank-0 loading) "
-                                   "without an accelerator", fix="set fsdp.cpu_ram_efficient_loading: false and "
-                                                                  "fsdp.sync_module_states: false on CPU"))
     if launched:
         out += launcher_problems(r, env)
     return out
@@ -220,7 +215,7 @@ def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, c
                                "GPUs with more memory"))
     if cpu_memory and plan.cpu_bytes_peak > cpu_memory:
         phase = max(plan.cpu, key=plan.cpu.get)
-        out.append(Problem(level="error", path="fsdp.cpu_ram_efficient_loading" if phase == "loading" else
+        out.append(Problem(level="error", path="model.name" if phase == "loading" else
                            "fsdp.cpu_offload", message=f"planned {fmt(plan.cpu_bytes_peak)} of CPU RAM while {phase} "
                            f"does not fit in {fmt(cpu_memory)}: short by {fmt(plan.cpu_bytes_peak - cpu_memory)}",
                            fix=_cpu_fix(r, phase)))
@@ -230,12 +225,9 @@ def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, c
 def _cpu_fix(recipe: Recipe, phase: str) -> str:
     """Only suggest switches that are still off; otherwise the machine needs more memory."""
     off = []
-    if phase == "loading":
-        if not recipe.fsdp.cpu_ram_efficient_loading and recipe.distributed.strategy == "fsdp":
-            off.append("fsdp.cpu_ram_efficient_loading: true")
-        if not recipe.model.low_cpu_mem_usage:
-            off.append("model.low_cpu_mem_usage: true")
-    elif recipe.fsdp.cpu_offload:
+    if phase == "loading":  # one reader per machine already holds one tensor at a time: nothing to switch
+        return "use machines with more RAM (or add swap), or fewer processes per machine"
+    if recipe.fsdp.cpu_offload:
         if phase == "training_start":  # FSDP1's first-forward spike (plan.pinned); FSDP2 pins one tensor at a time
             return ("set fsdp.version: 2 (FSDP1 holds each shard three times until its first forward ends), or "
                     "fsdp.cpu_offload: false (if the GPUs can hold the shards), or add RAM/swap")

@@ -173,12 +173,15 @@ def main(argv: list[str]) -> int:
     facts["reloaded_state_tensors"] = len(reloaded)
     facts["reloaded_dtensors"] = sum(type(t).__name__ == "DTensor" for t in reloaded)
 
-    adapter = D.gather_full_adapter_state(acc, model)
+    from finetune.train.gather import gather_full_adapter_state
+    from finetune.util.log import is_main
+
+    adapter = gather_full_adapter_state(acc, model)
     model.eval()
     eval_ids = batches(args.steps + 1)[-1][:2]
     with torch.no_grad(), D.autocast(acc):
         logits = model(input_ids=eval_ids).logits.float()
-    if D.is_main():
+    if is_main():
         from safetensors.torch import save_file
         save_file(adapter, str(out / "adapter_model.safetensors"))
         torch.save({"eval_ids": eval_ids, "logits": logits}, out / "logits.pt")

@@ -26,7 +26,7 @@ def test_fsdp2_mapping_and_plugin_builds_on_cpu():
                                 "float32", True)["reshard_after_forward"] is True
 
 
-def test_fsdp1_mapping_turns_device_broadcast_off_on_cpu_only():
+def test_fsdp1_mapping_turns_rank0_loading_off_and_offload_off_on_cpu_only():
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import BackwardPrefetch, ShardingStrategy
 
@@ -34,8 +34,9 @@ def test_fsdp1_mapping_turns_device_broadcast_off_on_cpu_only():
                     cpu_offload=True)
     cpu = D.fsdp_plugin_kwargs(spec, "float32", on_cpu=True)
     gpu = D.fsdp_plugin_kwargs(spec, "float32", on_cpu=False)
+    # Rank-0 loading is off everywhere: the streaming loader is the one reader and sends each rank its shard.
     assert (cpu["sync_module_states"], cpu["cpu_ram_efficient_loading"], cpu["cpu_offload"]) == (False, False, False)
-    assert (gpu["sync_module_states"], gpu["cpu_ram_efficient_loading"], gpu["cpu_offload"]) == (True, True, True)
+    assert (gpu["sync_module_states"], gpu["cpu_ram_efficient_loading"], gpu["cpu_offload"]) == (False, False, True)
     assert cpu["auto_wrap_policy"] == "size_based_wrap" and cpu["min_num_params"] == 1000
     plugin = FullyShardedDataParallelPlugin(**cpu)  # with sync on, the plugin raises "no available devices"
     assert plugin.reshard_after_forward == ShardingStrategy.FULL_SHARD

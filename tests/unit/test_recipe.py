@@ -81,3 +81,23 @@ def test_field_docs_cover_every_field():
     assert {"model.name", "lora.r", "fsdp.version", "train.optimizer"} <= keys
     undocumented = [k for k, _, d in rows if not d and not k.startswith("train.adam_")]
     assert not undocumented, undocumented
+
+
+def test_removed_settings_are_named_and_old_run_dirs_still_load(tmp_path):
+    """Settings that did nothing were removed: a recipe that sets one is told which and why; a run dir's
+    recipe.yaml written before (every default written out) still loads for merge, eval and generate."""
+    import yaml
+
+    from finetune.recipe import RecipeError, from_dict
+    from finetune.recipe.rundir import read_recipe
+
+    with pytest.raises(RecipeError) as e:
+        from_dict({"fsdp": {"cpu_ram_efficient_loading": True, "state_dict_type": "SHARDED_STATE_DICT"},
+                   "model": {"low_cpu_mem_usage": True}})
+    assert sorted(p.split(":")[0] for p in e.value.problems) == [
+        "fsdp.cpu_ram_efficient_loading", "fsdp.state_dict_type", "model.low_cpu_mem_usage"]
+    assert all("removed" in p and "Fix: delete it" in p for p in e.value.problems)
+    old = {"model": {"name": "builtin:tiny-llama", "low_cpu_mem_usage": True},
+           "fsdp": {"sync_module_states": None, "cpu_ram_efficient_loading": True, "state_dict_type": "FULL_STATE_DICT"}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(old))
+    assert read_recipe(tmp_path).model.name == "builtin:tiny-llama"

@@ -56,10 +56,15 @@ CASES = [
      "dtype": "float16"}}, [], {}, "model.dtype", "error"),
     ("fp16_with_bf16_adapters", BASE, {"train": {"mixed_precision": "fp16"}, "lora": {"dtype": "bfloat16"}}, [], {},
      "lora.dtype", "error"),
-    ("eight_bit_optimizer_full_state_dict", FSDP, {"train": {"optimizer": "paged_adamw_8bit", "micro_batch_size": 1},
-     "fsdp": {"state_dict_type": "FULL_STATE_DICT"}}, [], {}, "fsdp.state_dict_type", "error"),
-    ("fsdp1_rank0_loading_without_sync", FSDP, {"fsdp": {"version": 1, "sync_module_states": False}}, [], {},
+    # --- settings that did nothing, removed: named, with the fix
+    ("removed_state_dict_type", FSDP, {"fsdp": {"state_dict_type": "FULL_STATE_DICT"}}, [], {},
+     "fsdp.state_dict_type", "error"),
+    ("removed_sync_module_states", FSDP, {"fsdp": {"version": 1, "sync_module_states": False}}, [], {},
      "fsdp.sync_module_states", "error"),
+    ("removed_cpu_ram_efficient_loading", FSDP, {"fsdp": {"cpu_ram_efficient_loading": True}}, [], {},
+     "fsdp.cpu_ram_efficient_loading", "error"),
+    ("removed_low_cpu_mem_usage", BASE, {"model": {"low_cpu_mem_usage": False}}, [], {},
+     "model.low_cpu_mem_usage", "error"),
     ("offload_without_fsdp", BASE, {"fsdp": {"cpu_offload": True}}, [], {}, "fsdp.cpu_offload", "error"),
     ("reentrant_checkpointing_fsdp2", FSDP, {"model": {"name": LLAMA8, "reentrant_checkpointing": True}}, [], {},
      "model.reentrant_checkpointing", "warning"),
@@ -112,10 +117,8 @@ CASES = [
      "model.attn_implementation", "warning"),
     ("nccl_backend_without_gpus", FSDP, {"distributed": {"strategy": "fsdp", "num_processes": 2, "backend": "nccl"}},
      [], {}, "distributed.backend", "error"),
-    ("fsdp_rank0_loading_on_cpu", FSDP, {}, [], {**FSDP_ENV, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"},
-     "fsdp.cpu_ram_efficient_loading", "error"),
 ]
-GPU_DEPENDENT = {"flash_attention_on_cpu", "nccl_backend_without_gpus", "fsdp_rank0_loading_on_cpu"}
+GPU_DEPENDENT = {"flash_attention_on_cpu", "nccl_backend_without_gpus"}
 
 
 def run_validate(path, args, env, monkeypatch, capsys):
