@@ -45,18 +45,19 @@ def _update_shard(opt, F, p, config) -> None:
     state["step"] += 1
     beta1, beta2 = config["betas"][0], config["betas"][1]
     beta3 = config["betas"][2] if len(config["betas"]) >= 3 else 0.0
+    # By keyword: the two kernels take their arguments in different orders, and a reordering in a
+    # bitsandbytes release must fail loudly, not update with swapped betas (pinned against the stock
+    # optimizer: test_distributed_optim.py::test_sharded_adamw8bit_matches_bitsandbytes_on_plain_tensors).
+    common = dict(optimizer_name=opt.optimizer_name, g=grad, p=work, state1=state["state1"], state2=state["state2"],
+                  beta1=beta1, beta2=beta2, beta3=beta3, alpha=config.get("alpha", 0.0), eps=config["eps"],
+                  step=state["step"], lr=config["lr"], weight_decay=config["weight_decay"], gnorm_scale=1.0,
+                  skip_zeros=config["skip_zeros"])
     if state["state1"].dtype == torch.float32:
-        F.optimizer_update_32bit(
-            opt.optimizer_name, grad, work, state["state1"], beta1, config["eps"], state["step"],
-            config["lr"], state["state2"], beta2, beta3, config.get("alpha", 0.0),
-            config["weight_decay"], 1.0, state["unorm_vec"] if config["max_unorm"] > 0.0 else None,
-            max_unorm=config["max_unorm"], skip_zeros=config["skip_zeros"])
+        F.optimizer_update_32bit(**common, unorm_vec=state["unorm_vec"] if config["max_unorm"] > 0.0 else None,
+                                 max_unorm=config["max_unorm"])
     else:
-        F.optimizer_update_8bit_blockwise(
-            opt.optimizer_name, grad, work, state["state1"], state["state2"], beta1, beta2, beta3,
-            config.get("alpha", 0.0), config["eps"], state["step"], config["lr"], state["qmap1"],
-            state["qmap2"], state["absmax1"], state["absmax2"], config["weight_decay"],
-            gnorm_scale=1.0, skip_zeros=config["skip_zeros"])
+        F.optimizer_update_8bit_blockwise(**common, qmap1=state["qmap1"], qmap2=state["qmap2"],
+                                          absmax1=state["absmax1"], absmax2=state["absmax2"])
     if work is not local:
         local.copy_(work)
 

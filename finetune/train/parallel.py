@@ -155,12 +155,7 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
         raise RecipeError([f"distributed.num_processes is {dist.num_processes} but the launcher started "
                            f"{acc.num_processes}. Fix: launch {dist.num_processes} processes or change the recipe"])
     if plugin is not None and on_cpu and acc.distributed_type == DistributedType.MULTI_CPU:
-        # Accelerate's FSDP on CPU (FINDINGS.md): switch the state before prepare; FSDP1 also needs the plain
-        # "cpu" device ("cpu:0" fails FSDP1's device_id check).
-        acc.state.distributed_type = DistributedType.FSDP
-        acc.state.fsdp_plugin = plugin
-        if plugin.fsdp_version == 1:
-            acc.state.device = torch.device("cpu")
+        fsdp_on_cpu(acc, plugin)
     if plugin is not None and acc.distributed_type != DistributedType.FSDP:
         log.info(f"fsdp: {acc.num_processes} process without a launcher; nothing to shard, training unsharded "
                  "(start several with `accelerate launch` or torchrun)")
@@ -168,6 +163,33 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
     if fsdp.cpu_offload and on_cpu and dist.strategy == "fsdp":
         log.info("fsdp: cpu_offload has no effect on CPU (parameters already live in CPU RAM)")
     return acc
+
+
+# The Accelerate releases whose state `fsdp_on_cpu` was written against and tested with (tests run FSDP on CPU
+# through it); outside them it refuses with a message instead of training unsharded or crashing in prepare.
+ACCELERATE_CPU_FSDP = ((1, 10), (2, 0))
+
+
+def fsdp_on_cpu(acc, plugin, version: str | None = None) -> None:
+    """Accelerate's FSDP on CPU (the gloo test harness, CPU-only machines): Accelerate builds a MULTI_CPU state
+    and would train every process alone, unsharded. Switch its (shared, private) state to FSDP with our
+    plugin before prepare; FSDP1 also needs the plain "cpu" device ("cpu:0" fails FSDP1's device_id check).
+    GPUs never come here. The only place that writes Accelerate's state, guarded by version and attributes."""
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    version = version or accelerate.__version__
+    got = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    lo, hi = ACCELERATE_CPU_FSDP
+    state = acc.state
+    if not lo <= got < hi or not all(hasattr(state, a) for a in ("distributed_type", "device")):
+        raise RuntimeError(f"FSDP on CPU switches Accelerate's state to FSDP, written for accelerate "
+                           f"{lo[0]}.{lo[1]} to before {hi[0]}.{hi[1]}; this is {version}. Train on GPUs, or "
+                           "install a tested accelerate (constraints.txt)")
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = plugin
+    if plugin.fsdp_version == 1:
+        state.device = torch.device("cpu")
 
 
 @contextlib.contextmanager

@@ -73,7 +73,9 @@ def quantize_pieces(pieces, shape: torch.Size, dtype: torch.dtype, device, q: di
 
 def quantize_piece(piece: torch.Tensor, q: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed, absmax) of one block-aligned piece: bitsandbytes' first quantization level alone."""
-    p, a = torch.ops.bitsandbytes.quantize_4bit.default(piece, q["blocksize"], q["quant_type"], q["quant_storage"])
+    # bitsandbytes' registered op, by its schema's argument names: a changed schema fails here, loudly
+    p, a = torch.ops.bitsandbytes.quantize_4bit.default(A=piece, blocksize=q["blocksize"], quant_type=q["quant_type"],
+                                                        quant_storage=q["quant_storage"])
     trim_heap()  # the kernel's ~13 bytes/element of temporaries (see quantize), freed but kept by malloc
     return p, a
 

@@ -41,7 +41,7 @@ def reference(tmp_path_factory):
 def check_stop_and_resume(run, log, code, elapsed, signum, reference, extra):
     text = log.read_text()
     assert code == 0, text[-3000:]
-    assert elapsed < 60, elapsed
+    assert elapsed < 60, elapsed  # a bound (one micro-batch + one checkpoint write), generous for a busy machine
     step = stopped_step(text)
     assert f"stopped by signal {signum}" in text and 0 < step < STEPS, text[-2000:]
     assert C.latest(run / "checkpoints") == run / "checkpoints" / f"step-{step}"

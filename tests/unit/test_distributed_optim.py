@@ -225,3 +225,15 @@ def test_launcher_fsdp_config_with_other_strategy_is_a_recipe_error(fresh_accele
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(RecipeError, match="launcher config uses FSDP"):
         D.make_accelerator(DistributedSpec(strategy="ddp"), FsdpSpec(), TrainSpec(), "float32")
+
+
+def test_fsdp_on_cpu_refuses_an_accelerate_it_was_not_written_for():
+    """The CPU-FSDP state rewrite is the one private use of Accelerate's state: outside the tested releases it
+    stops with a message instead of training unsharded."""
+    from types import SimpleNamespace
+
+    acc = SimpleNamespace(state=SimpleNamespace(distributed_type=None, fsdp_plugin=None, device=None))
+    with pytest.raises(RuntimeError, match="accelerate 1.10 to before 2.0; this is 2.1.0"):
+        D.fsdp_on_cpu(acc, SimpleNamespace(fsdp_version=2), version="2.1.0")
+    D.fsdp_on_cpu(acc, SimpleNamespace(fsdp_version=1), version="1.15.0")
+    assert acc.state.fsdp_plugin.fsdp_version == 1 and acc.state.device == torch.device("cpu")
