@@ -29,6 +29,8 @@ from finetune.train.distributed import gather_full_adapter_state, has_accelerato
 from finetune.train.lora import apply_lora, trainable_report
 from finetune.train.load import placement_for
 from finetune.train.loss import loss_totals
+from finetune.train.memory import PhaseMemory
+from finetune.train.memory import table as memory_table
 from finetune.train.metrics import Metrics
 from finetune.train.model import enable_checkpointing, load_model, load_tokenizer
 from finetune.train.portable import portable_peft_config, save_tokenizer
@@ -88,8 +90,11 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     recipe, note = resolve_cpu_precision(recipe, on_cpu=not has_accelerator_device())
     if note:
         log.info(note)
-    run = setup(recipe, run_dir)
-    resume(run)
+    mem = PhaseMemory.for_this_process()
+    with mem.phase("load"):
+        run = setup(recipe, run_dir)
+    with mem.phase("wrap"):
+        resume(run)
     if run.acc.is_main_process:
         write_recipe(run_dir, recipe)
         stats = run.prepared.stats
@@ -106,10 +111,13 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     stop.armed = True  # until now a signal stopped at once (nothing to checkpoint); now it checkpoints first
     t, rate, last = recipe.train, TokenRate(), {}
     while run.step < run.total_steps:
-        out = optimizer_step(run, stop)
+        with mem.phase("steps"):
+            out = optimizer_step(run, stop)
         if out is None:  # stopped between micro-batches: the step was abandoned
-            stop_now(run, stop)
+            with mem.phase("save"):
+                stop_now(run, stop)
             run.metrics.close()
+            mem.write(run_dir, run.acc)
             return {"step": run.step, "stopped": True, **last}
         loss, grad_norm, step_tokens = out
         rate.add(step_tokens)
@@ -124,18 +132,28 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
             rate.reset()
         guard.check_step(run, loss, grad_norm, lambda v: global_sum(run.acc, v))  # NaN/inf: stop, never save it
         if t.eval_every and run.step % t.eval_every == 0 and run.eval_batches:
-            run.metrics.log(run.step, eval_loss=round(evaluate(run), 6))
-        if save_or_stop(run, stop):
+            with mem.phase("eval"):
+                eval_loss = evaluate(run)
+            run.metrics.log(run.step, eval_loss=round(eval_loss, 6))
+        with mem.phase("save"):
+            stopped = save_or_stop(run, stop)
+        if stopped:
             run.metrics.close()
+            mem.write(run_dir, run.acc)
             return {"step": run.step, "stopped": True, **last}
     final = {"step": run.step, **last}
     if run.scaler.enabled:
         final["skipped_steps"] = run.scaler.skipped
     if run.eval_batches:
-        final["eval_loss"] = evaluate(run)
+        with mem.phase("eval"):
+            final["eval_loss"] = evaluate(run)
         run.metrics.log(run.step, eval_loss=round(final["eval_loss"], 6))
-    export_adapter(run)
+    with mem.phase("export"):
+        export_adapter(run)
     run.metrics.close()
+    memory = mem.write(run_dir, run.acc)
+    if memory is not None:
+        log.info("memory per phase (largest rank; RUN_DIR/memory.json):\n" + memory_table(memory))
     run.acc.wait_for_everyone()
     if return_model:
         final["model"] = run.acc.unwrap_model(run.model)

@@ -106,6 +106,11 @@ def load_tokenizer(spec: ModelSpec, path: str | None = None):
     return tok
 
 
+def default_device() -> torch.device:
+    """The device a process without an Accelerator computes on: the current CUDA device, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def load_model(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: bool = False):
     """Load the frozen base: quantized per `quant`, non-quantized parameters in `spec.dtype`, through the
     streaming loader (train/base.py) for the placement (None: the whole model in this process). `quiet`
@@ -116,7 +121,9 @@ def load_model(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: 
     (the streaming reader reads safetensors only)."""
     from finetune.train.load import Placement
 
-    placement = placement or Placement()
+    # No placement (eval, generate, quantize, merge checks): the whole model on this process's GPU when there
+    # is one, as training puts it; the CPU only without CUDA.
+    placement = placement or Placement(device=default_device())
     path = local_checkpoint(resolve_name(spec.name), spec)
     _check_weights_format(path, spec.allow_pickle)
     attn = resolve_attention(spec.attn_implementation, quiet)
