@@ -172,7 +172,9 @@ def _fsdp_option_problems(r) -> list[Problem]:
                            message="ignored by auto_wrap_policy: size", fix="drop it, or use auto_wrap_policy: transformer"))
     if d.num_processes == 1:
         out.append(Problem(level="warning", path="distributed.num_processes",
-                           message="FSDP over one process shards nothing", fix="use 2 or more, or strategy: single"))
+                           message="FSDP over one process runs the sharded load and wrap on one shard (saves no "
+                           "memory; a check of the FSDP path on one GPU)",
+                           fix="use 2 or more to shard, or strategy: single to train one process plainly"))
     return out
 
 

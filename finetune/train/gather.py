@@ -21,9 +21,10 @@ def gather_full_adapter_state(accelerator, model) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     unwrapped = accelerator.unwrap_model(model)
-    if is_sharded(model) and accelerator.state.fsdp_plugin.fsdp_version == 1:
+    fsdp1 = is_sharded(model) and accelerator.state.fsdp_plugin.fsdp_version == 1
+    if fsdp1 and not _fsdp1_unsharded(model):
         raw = _fsdp1_full_state_dict(model, offload=accelerator.device.type != "cpu")
-    elif is_sharded(model):
+    elif is_sharded(model) and not fsdp1:
         # FSDP2: rank 0 receives the full tensors in CPU memory (offload: the gathered copy never sits
         # on the device), the others get {}; the frozen base is skipped before gathering.
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
@@ -43,6 +44,15 @@ def gather_full_adapter_state(accelerator, model) -> dict[str, torch.Tensor]:
     if len(out) < n_trainable:  # never write an empty or partial adapter without a word
         raise RuntimeError(f"gathered {len(out)} adapter tensors for {n_trainable} trainable parameters")
     return out
+
+
+def _fsdp1_unsharded(model) -> bool:
+    """FSDP1 under NO_SHARD (chosen, or forced by torch for one process): every rank holds whole parameters,
+    which use_orig_params exposes as they are; FSDP1's full state dict misses the root unit's parameters then
+    (an AssertionError naming embed_tokens, torch 2.13), so the adapter is read like an unwrapped model's."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    return isinstance(model, FullyShardedDataParallel) and model.sharding_strategy == ShardingStrategy.NO_SHARD
 
 
 def _fsdp1_full_state_dict(model, offload: bool) -> dict:

@@ -32,6 +32,8 @@ from finetune.train.keepers.metrics import Metrics
 from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
 from finetune.train.lora import apply_lora, enable_checkpointing, trainable_report
 from finetune.train.loss import loss_totals
+from finetune.train.keepers.memory import PhaseMemory
+from finetune.train.keepers.memory import table as memory_table
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import has_accelerator_device, make_accelerator, wrap
 from finetune.train.step import global_sum, make_scaler, optimizer_step
@@ -68,6 +70,7 @@ class Run:
     scaler: object = None  # finetune.train.scaling.LossScaler
     resumed_from: Path | None = None
     resume_state: dict | None = None  # the checkpoint's manifest, between checkpoint_to_resume and restore
+    memory: object = None  # finetune.train.keepers.memory.PhaseMemory
 
     @property
     def ckpt_root(self) -> Path:
@@ -94,15 +97,19 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     recipe, note = resolve_cpu_precision(recipe, on_cpu=not has_accelerator_device())
     if note:
         log.info(note)
-    run = setup(recipe, run_dir)
-    # The frozen base, placed for the strategy: whole, or (FSDP) placeholders each rank's shard replaces below.
-    # The plan says what each parameter is and where the reader finds it; it is handed on, never stored.
-    run.model, plan = load_with_plan(recipe.model, recipe.quantization, placement_for(run.acc))
-    add_adapters(run)
-    resume_from = checkpoint_to_resume(run)  # its adapter weights go in now, before sharding
-    run.model, run.optimizer = wrap(run.acc, run.model, run.optimizer, plan)
-    fill_shards(run.model, plan)  # FSDP: every rank streams its part of the base into its shards
-    restore(run, resume_from)
+    mem = PhaseMemory.for_this_process()  # peak memory per phase, into RUN_DIR/memory.json
+    with mem.phase("load"):
+        run = setup(recipe, run_dir)
+        # The frozen base, placed for the strategy: whole, or (FSDP) placeholders each rank's shard replaces
+        # below. The plan says what each parameter is and where the reader finds it; handed on, never stored.
+        run.model, plan = load_with_plan(recipe.model, recipe.quantization, placement_for(run.acc))
+        add_adapters(run)
+    run.memory = mem
+    with mem.phase("wrap"):
+        resume_from = checkpoint_to_resume(run)  # its adapter weights go in now, before sharding
+        run.model, run.optimizer = wrap(run.acc, run.model, run.optimizer, plan)
+        fill_shards(run.model, plan)  # FSDP: every rank streams its part of the base into its shards
+        restore(run, resume_from)
     if run.acc.is_main_process:
         write_recipe(run_dir, recipe)
         stats = run.prepared.stats
@@ -113,7 +120,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
 
 def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
     """The optimizer steps from the run's position to the end (or a stop signal), then the adapter."""
-    recipe, run_dir = run.recipe, run.run_dir
+    recipe, run_dir, mem = run.recipe, run.run_dir, run.memory
     run.eval_batches = held_out_batches(run)
     trackers = Trackers(run.acc, recipe, run_dir, run.prepared.stats, run.step, run.resumed_from is not None)
     run.metrics = Metrics(run_dir, run.total_steps, run.step, recipe.output.progress_bar, trackers)
@@ -125,10 +132,13 @@ def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
     stop.armed = True  # until now a signal stopped at once (nothing to checkpoint); now it checkpoints first
     t, rate, last = recipe.train, TokenRate(), {}
     while run.step < run.total_steps:
-        out = optimizer_step(run, stop)
+        with mem.phase("steps"):
+            out = optimizer_step(run, stop)
         if out is None:  # stopped between micro-batches: the step was abandoned
-            stop_now(run, stop)
+            with mem.phase("save"):
+                stop_now(run, stop)
             run.metrics.close()
+            mem.write(run_dir, run.acc)
             return {"step": run.step, "stopped": True, **last}
         loss, grad_norm, step_tokens = out
         rate.add(step_tokens)
@@ -143,23 +153,33 @@ def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
             rate.reset()
         guard.check_step(run, loss, grad_norm, lambda v: global_sum(run.acc, v))  # NaN/inf: stop, never save it
         if t.eval_every and run.step % t.eval_every == 0 and run.eval_batches:
-            run.metrics.log(run.step, eval_loss=round(evaluate(run), 6))
-        if save_or_stop(run, stop):
+            with mem.phase("eval"):
+                eval_loss = evaluate(run)
+            run.metrics.log(run.step, eval_loss=round(eval_loss, 6))
+        with mem.phase("save"):
+            stopped = save_or_stop(run, stop)
+        if stopped:
             run.metrics.close()
+            mem.write(run_dir, run.acc)
             return {"step": run.step, "stopped": True, **last}
     return finish(run, last, return_model)
 
 
 def finish(run: Run, last: dict, return_model: bool) -> dict:
     """After the last step: the final eval, the adapter in RUN_DIR/adapter, the final metrics."""
-    final = {"step": run.step, **last}
+    mem, final = run.memory, {"step": run.step, **last}
     if run.scaler.enabled:
         final["skipped_steps"] = run.scaler.skipped
     if run.eval_batches:
-        final["eval_loss"] = evaluate(run)
+        with mem.phase("eval"):
+            final["eval_loss"] = evaluate(run)
         run.metrics.log(run.step, eval_loss=round(final["eval_loss"], 6))
-    export_adapter(run)
+    with mem.phase("export"):
+        export_adapter(run)
     run.metrics.close()
+    memory = mem.write(run.run_dir, run.acc)
+    if memory is not None:
+        log.info("memory per phase (largest rank; RUN_DIR/memory.json):\n" + memory_table(memory))
     run.acc.wait_for_everyone()
     if return_model:
         final["model"] = run.acc.unwrap_model(run.model)

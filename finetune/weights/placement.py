@@ -39,7 +39,9 @@ def placement_for(accelerator) -> Placement:
     from accelerate.utils import DistributedType
 
     mode = "whole"
-    if accelerator.distributed_type == DistributedType.FSDP and accelerator.num_processes > 1:
+    # One process under a launcher with an explicit `distributed.strategy: fsdp` shards too (into one part): the
+    # same sharded load and wrap as N processes, so one GPU runs the whole FSDP path.
+    if accelerator.distributed_type == DistributedType.FSDP:
         mode = f"fsdp{accelerator.state.fsdp_plugin.fsdp_version}"
     rank, world = accelerator.process_index, accelerator.num_processes
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -28,11 +28,16 @@ def synthetic_dir(name: str, what: str = "model.name") -> Path:
     if base_cfg is None:
         raise RecipeError([f"{what}: '{name}': base '{base}': {where}"])
     cfg = synthetic_names.config_for(base_cfg, overrides)
-    return builtin._atomic_build(synthetic_names.cache_dir(name), lambda out: build(out, cfg, seed))
+    device = synthetic_names.draw_device(name)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RecipeError([f"{what}: '{name}' draws its weights on a CUDA GPU (device=cuda) and this machine has "
+                           "none. Fix: drop device=cuda"])
+    return builtin._atomic_build(synthetic_names.cache_dir(name), lambda out: build(out, cfg, seed, device))
 
 
-def _tensor_names(cfg: dict) -> tuple[list[tuple[str, tuple, bool]], object]:
-    """([(name, shape, is a norm weight)] of every parameter the architecture has, in model order), config."""
+def _tensor_names(cfg: dict) -> tuple[list[tuple[str, tuple, bool]], object, str]:
+    """([(name, shape, is a norm weight)] of every parameter the architecture has, in model order), config,
+    the model class's name."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -48,17 +53,17 @@ def _tensor_names(cfg: dict) -> tuple[list[tuple[str, tuple, bool]], object]:
             seen.add(id(p))
             norm = "norm" in type(module).__name__.lower()
             out.append((f"{mname}.{pname}", tuple(p.shape), norm))
-    return out, config
+    return out, config, type(model).__name__
 
 
-def build(out: Path, cfg: dict, seed: int) -> None:
+def build(out: Path, cfg: dict, seed: int, device: str = "cpu") -> None:
     from safetensors.torch import save_file
 
     tok_dir = builtin.model_dir()
     vocab = json.loads((tok_dir / "config.json").read_text())["vocab_size"]
     if cfg.get("vocab_size", 0) < vocab:
         raise RecipeError([f"model.name: a synthetic model needs vocab >= {vocab} (the tiny tokenizer's)"])
-    names, config = _tensor_names(cfg)
+    names, config, arch = _tensor_names(cfg)
     std = float(cfg.get("initializer_range", 0.02))
     weight_map, shard, size, files = {}, {}, 0, []
 
@@ -71,9 +76,12 @@ def build(out: Path, cfg: dict, seed: int) -> None:
         shard, size = {}, 0
 
     for i, (key, shape, norm) in enumerate(names):
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
-        t = torch.ones(shape) if norm else torch.randn(shape, generator=gen) * std
-        shard[key] = t.to(torch.bfloat16)
+        gen = torch.Generator(device).manual_seed(seed * 1_000_003 + i)
+        if norm:
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:  # drawn in fp32 on `device`, rounded to bf16 there; only the bf16 copy comes to the host
+            t = (torch.randn(shape, generator=gen, device=device) * std).to(torch.bfloat16).cpu()
+        shard[key] = t
         size += shard[key].numel() * 2
         if size >= SHARD_BYTES:
             flush()
@@ -85,6 +93,7 @@ def build(out: Path, cfg: dict, seed: int) -> None:
     tok_cfg = json.loads((tok_dir / "config.json").read_text())
     config.update({k: tok_cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
     config.dtype = torch.bfloat16
+    config.architectures = [arch]  # as a published checkpoint names its class (TRL and others read it)
     config.save_pretrained(out)
     for f in TOKENIZER_FILES:
         if (tok_dir / f).exists():

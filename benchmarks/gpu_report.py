@@ -1,0 +1,81 @@
+"""RESULTS_GPU.md from the GPU proof's results.json (benchmarks/gpu_proof.py): one section per stage."""
+from __future__ import annotations
+
+
+def _f(x, nd=2, pct=False):
+    if x is None:
+        return "n/a"
+    if pct:
+        return f"{100 * x:.1f}%"
+    return f"{x:,.{nd}f}" if isinstance(x, float) else str(x)
+
+
+def report(results: dict) -> str:
+    m, st = results["meta"], results["stages"]
+    env = (st.get("env") or {}).get("result") or {}
+    title = "GPU proof (dry run on CPU: tiny shapes, no GPU figures)" if m["dry_run"] else "GPU proof"
+    lines = [f"# {title}", "",
+             f"`{m['command']}` on {m['date']}, commit `{m['commit']}`.", ""]
+    if env:
+        lines += [f"Device: {env.get('gpu', 'CPU')} ({env.get('nvidia_smi', 'no nvidia-smi')}); torch {env.get('torch')} "
+                  f"(CUDA {env.get('cuda')}), transformers {env.get('transformers')}, accelerate {env.get('accelerate')}, "
+                  f"peft {env.get('peft')}, bitsandbytes {env.get('bitsandbytes')}, trl {env.get('trl')}, "
+                  f"datasets {env.get('datasets')}, pydantic {env.get('pydantic')}, Python {env.get('python')}.", ""]
+    lines += ["| stage | status | seconds | what |", "|---|---|---|---|"]
+    for name, r in st.items():
+        lines.append(f"| {name} | {r['status']} | {r.get('seconds', '-')} | {r['what']} |")
+    lines.append("")
+    for name, r in st.items():
+        lines += [f"## {name}", ""]
+        if r["status"] != "ok":
+            lines += [f"{r['status']}: {r.get('why') or ''}", "", "```", r.get("tail", ""), "```", ""]
+            continue
+        lines += _section(name, r["result"], results) + [""]
+    return "\n".join(lines) + "\n"
+
+
+def _mem_rows(memory: dict, plan: dict | None = None) -> list[str]:
+    rows = []
+    if memory["kind"] == "cuda":
+        rows += ["| phase | peak allocated GiB | peak reserved GiB |", "|---|---|---|"]
+        for ph, v in memory["phases"].items():
+            rows.append(f"| {ph} | {v['peak_allocated_gib']:.2f} | {v['peak_reserved_gib']:.2f} |")
+    else:
+        rows += ["| phase | peak RSS GiB |", "|---|---|"]
+        for ph, v in memory["phases"].items():
+            rows.append(f"| {ph} | {v['peak_rss_gib']:.2f} |")
+    return rows
+
+
+def _section(name: str, r: dict, results: dict) -> list[str]:
+    if name == "env":
+        keys = ["transformers_ok", "bnb_library", "quantize_4bit_bytes_equal_cpu", "matmul_4bit_rel_err",
+                "paged_adamw_8bit", "matmul_bf16_tflops", "copy_gb_s", "gpu_memory_gib", "capability"]
+        rows = [f"- {k}: {r.get(k)}" for k in keys if k in r]
+        bad = {k: v for k, v in (r.get("floors") or {}).items() if not v["ok"]}
+        rows.append(f"- pyproject floors not met here: {bad or 'none'}")
+        return rows
+    if name == "models":
+        return [f"- {k}: `{v['name']}`, {v['gib']} GiB, built in {v['seconds']} s" for k, v in r.items()]
+    if name in ("single", "load70b"):
+        out = [f"- trained tokens/s {_f(r['trained_tokens_per_s'], 0)} (all tokens/s {_f(r.get('all_tokens_per_s'), 0)}), "
+               f"{r['s_per_step']} s/step over {r['timed_steps']} timed steps; loss {r['first_loss']} -> {r['last_loss']}"]
+        if "mfu_vs_datasheet" in r:
+            out.append(f"- MFU {_f(r['mfu_vs_datasheet'], pct=True)} of the datasheet bf16 peak, "
+                       f"{_f(r['mfu_vs_measured_matmul'], pct=True)} of the measured matmul ceiling "
+                       f"({r['flops_per_token']:.4g} model FLOPs per token)")
+        p = r.get("plan", {})
+        out.append(f"- plan (`finetune estimate`): peak allocated {p.get('allocated_gib', 0):.2f} GiB, reserved "
+                   f"{p.get('reserved_gib', 0):.2f} GiB, loading {p.get('loading_gib', 0):.2f} GiB; error vs measured "
+                   f"(%): {r.get('errors_pct')}")
+        return out + [""] + _mem_rows(r["memory"])
+    if name.startswith("fsdp"):
+        out = [f"- train: loss {r['train']['first_loss']} -> {r['train']['last_loss']}, "
+               f"{_f(r['train']['trained_tokens_per_s'], 0)} trained tokens/s",
+               f"- resume: {r['resume']}", f"- eval: {r['eval']}", f"- generate: {r['generate']}"]
+        if "bytecheck" in r:
+            out.append(f"- packed-byte check after the FSDP2 wrap and after unshard (bitsandbytes 1945): {r['bytecheck']}")
+        return out + [""] + _mem_rows(r["train"]["memory"])
+    if name == "trl":
+        return [f"- TRL: {r['trl']}", f"- finetune over TRL: {r.get('finetune_over_trl')}"]
+    return [f"- {k}: {v}" for k, v in r.items()]

@@ -1,0 +1,398 @@
+"""The stages of the GPU proof (benchmarks/gpu_proof.py runs each in its own process, under a time cap).
+
+    python -m benchmarks.gpu_stages STAGE --work DIR [--dry-run]
+
+Each stage prints its result as the last line of its output, one JSON object. On a GPU the stages use the
+real shapes (a full-depth synthetic Llama 3.1 8B, a 70B-width model of few layers, micro-batch 2 x 2048); with
+--dry-run the same code runs on tiny shapes on the CPU (gloo for the world-size-1 FSDP runs), so the wiring,
+the files and the checks are proven before a GPU is used. Training, eval, generate and estimate go through
+finetune's own commands (`python -m finetune ...`, torchrun for FSDP), as a user runs them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.common import ROOT, child_env, last_json_line, read_jsonl, steady_rate
+
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------------------------- shapes
+
+def shapes(dry: bool) -> dict:
+    """Model names, sequence length and step counts: the real ones on a GPU, tiny ones for the dry run."""
+    if dry:
+        # a small vocabulary too: on 2 CPU cores the 128k-row head would take most of the dry run's time
+        small = "layers=2&hidden=256&intermediate=512&heads=4&kv_heads=2&vocab=2048"
+        return {"m8": f"synthetic:meta-llama/Llama-3.1-8B-Instruct?{small}",
+                "m8_short": f"synthetic:meta-llama/Llama-3.1-8B-Instruct?{small}&seed=1",
+                "m70": "synthetic:meta-llama/Llama-3.1-70B-Instruct?layers=2&hidden=512&intermediate=1024&heads=8"
+                       "&kv_heads=2&vocab=2048",
+                "seq": 64, "warmup": 2, "steps": 4, "device": "cpu"}
+    return {"m8": "synthetic:meta-llama/Llama-3.1-8B-Instruct?device=cuda",
+            # FSDP and fp16 runs need the path, not the depth: the 8B's widths and vocabulary, 4 layers
+            "m8_short": "synthetic:meta-llama/Llama-3.1-8B-Instruct?layers=4&device=cuda",
+            "m70": "synthetic:meta-llama/Llama-3.1-70B-Instruct?layers=2&device=cuda",
+            "seq": 2048, "warmup": 4, "steps": 8, "device": "cuda"}
+
+
+def recipe(model: str, seq: int, steps: int, out: Path, **sections) -> dict:
+    """The 8B recipe's settings (recipes/llama3_8b_qlora.yaml) on synthetic tokens of exactly `seq` ids."""
+    import yaml
+
+    rec = yaml.safe_load((ROOT / "recipes" / "llama3_8b_qlora.yaml").read_text())
+    rec["model"]["name"] = model
+    rows = 2 * steps + 8
+    rec["data"] = {"sources": [{"path": f"synthetic:tokens?rows={rows}&min_len={seq}&max_len={seq}"}],
+                   "eval_sources": [{"path": f"synthetic:tokens?rows=4&min_len={seq}&max_len={seq}",
+                                     "split": "eval"}],
+                   "max_seq_len": seq}
+    rec["train"].update({"gradient_accumulation_steps": 1, "max_steps": steps, "warmup_steps": 1,
+                         "log_every": 1, "save_every": None, "eval_every": None, "epochs": 1})
+    rec["output"] = {"dir": str(out), "progress_bar": False}
+    for key, value in sections.items():
+        rec.setdefault(key, {}).update(value)
+    return rec
+
+
+def write_recipe(rec: dict, path: Path) -> Path:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(rec, sort_keys=False))
+    return path
+
+
+def sh(cmd: list[str], timeout: float = 900, log: Path | None = None) -> subprocess.CompletedProcess:
+    """Run a command of finetune's from the checkout; its output goes to `log` (appended) too."""
+    env = child_env()
+    env.pop("PYTHONWARNINGS", None)  # the proof wants to see what a user sees
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+    if log is not None:
+        with log.open("a") as f:
+            f.write(f"$ {' '.join(cmd)}  ({time.perf_counter() - t0:.1f} s, exit {p.returncode})\n")
+            f.write(p.stdout[-20000:] + p.stderr[-20000:] + "\n")
+    return p
+
+
+def must(p: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
+    if p.returncode != 0:
+        tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-25:])
+        raise RuntimeError(f"{what} failed (exit {p.returncode}):\n{tail}")
+    return p
+
+
+def finetune(*args: str) -> list[str]:
+    return [sys.executable, "-m", "finetune", *args]
+
+
+def torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29517",
+            "-m", "finetune", *args]
+
+
+def estimate(rec_path: Path, log: Path) -> dict:
+    p = must(sh(finetune("estimate", str(rec_path), "--json"), log=log), "finetune estimate")
+    return last_json_line(p.stdout)
+
+
+def phase_peaks(run_dir: Path) -> dict:
+    """memory.json's figures per phase, the largest rank's, in GiB."""
+    mem = json.loads((run_dir / "memory.json").read_text())
+    out = {}
+    for rank in mem["ranks"]:
+        for name, ph in rank["phases"].items():
+            keys = ("peak_allocated", "peak_reserved") if mem["kind"] == "cuda" else ("peak_rss",)
+            cur = out.setdefault(name, {})
+            for k in keys:
+                cur[k + "_gib"] = max(cur.get(k + "_gib", 0.0), (ph.get(k) or 0) / GIB)
+    return {"kind": mem["kind"], "phases": out}
+
+
+def err(measured: float, planned: float) -> float:
+    return round(100 * (measured - planned) / planned, 1) if planned else float("nan")
+
+
+# ----------------------------------------------------------------------------------------------- stages
+
+def stage_env(work: Path, sh_: dict) -> dict:
+    """GPU, driver, versions; bitsandbytes' library and kernels against CPU and dequantized references; paged
+    memory; the measured bf16 matmul and copy ceilings."""
+    import importlib.metadata as md
+
+    import torch
+
+    out: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda}
+    for pkg in ("transformers", "accelerate", "peft", "bitsandbytes", "trl", "datasets", "safetensors",
+                "tokenizers", "pydantic"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    from packaging.version import Version
+
+    from benchmarks.floors import check_floors
+
+    out["floors"] = check_floors()
+    out["transformers_ok"] = Version(out["transformers"] or "0") >= Version("5.23")
+    dev = torch.device(sh_["device"])
+    if dev.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(0)
+        out["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / GIB, 2)
+        out["capability"] = list(torch.cuda.get_device_capability(0))
+        q = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, check=False)
+        out["nvidia_smi"] = q.stdout.strip()
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+
+    lib = getattr(bnb.cextension, "lib", None)
+    out["bnb_library"] = str(getattr(lib, "_name", None) or getattr(getattr(lib, "_lib", None), "_name", "?"))
+    torch.manual_seed(0)
+    w = torch.randn(1024, 1024, dtype=torch.bfloat16) * 0.02
+    qc, sc = F.quantize_4bit(w, quant_type="nf4", blocksize=64, compress_statistics=True)
+    qd, sd = F.quantize_4bit(w.to(dev), quant_type="nf4", blocksize=64, compress_statistics=True)
+    same = (qd.cpu().view(torch.uint8) == qc.view(torch.uint8)).float().mean().item()
+    out["quantize_4bit_bytes_equal_cpu"] = same
+    x = torch.randn(8, 1024, dtype=torch.bfloat16, device=dev)
+    ref = x.float() @ F.dequantize_4bit(qd, sd).float().t()
+    got = bnb.matmul_4bit(x, qd.t(), quant_state=sd).float()
+    out["matmul_4bit_rel_err"] = ((got - ref).norm() / ref.norm()).item()
+    p = torch.nn.Parameter(torch.randn(4096, 4096, device=dev))
+    try:
+        opt = bnb.optim.PagedAdamW8bit([p], lr=1e-3) if dev.type == "cuda" else bnb.optim.AdamW8bit([p], lr=1e-3)
+        p.grad = torch.randn_like(p)
+        before = p.detach().clone()
+        opt.step()
+        out["paged_adamw_8bit"] = "works" if not torch.equal(before, p.detach()) else "no change"
+    except Exception as e:  # record it: the recipe would fall back to adamw_8bit
+        out["paged_adamw_8bit"] = f"failed: {type(e).__name__}: {e}"[:300]
+    n = 8192 if dev.type == "cuda" else 512
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    out["matmul_bf16_tflops"] = round(2 * n**3 / _timed(lambda: a @ b, dev) / 1e12, 1)
+    big = torch.empty(2**30 if dev.type == "cuda" else 2**24, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(big)
+    out["copy_gb_s"] = round(2 * big.numel() / _timed(lambda: dst.copy_(big), dev) / 1e9, 1)
+    return out
+
+
+def _timed(fn, dev, reps: int = 10) -> float:
+    import torch
+
+    for _ in range(3):
+        fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def stage_models(work: Path, sh_: dict) -> dict:
+    """Build the 8B models into the cache (drawn on the GPU when there is one); the 70B-width one is built by
+    its own stage, which may be skipped."""
+    from finetune.weights.synthetic import synthetic_dir
+
+    out = {}
+    for key in ("m8", "m8_short"):
+        t0 = time.perf_counter()
+        d = synthetic_dir(sh_[key])
+        size = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+        out[key] = {"name": sh_[key], "gib": round(size / GIB, 2), "seconds": round(time.perf_counter() - t0, 1)}
+    return out
+
+
+def _train_and_read(rec: dict, work: Path, name: str, sh_: dict, launcher=finetune) -> dict:
+    run = work / name
+    path = write_recipe(rec, work / f"{name}.yaml")
+    log = work / "commands.log"
+    t0 = time.perf_counter()
+    must(sh(launcher(str(path)), log=log), f"training {name}")
+    records = read_jsonl(run / "metrics.jsonl")
+    rate = steady_rate(records, after_step=sh_["warmup"])
+    return {"run": str(run), "recipe": str(path), "seconds": round(time.perf_counter() - t0, 1),
+            "trained_tokens_per_s": round(rate["tokens_per_s"], 1), "s_per_step": round(rate["s_per_step"], 3),
+            "timed_steps": rate["steps"], "first_loss": records[0].get("loss"),
+            "last_loss": [r for r in records if "loss" in r][-1]["loss"], "memory": phase_peaks(run)}
+
+
+def stage_single(work: Path, sh_: dict) -> dict:
+    """The 8B recipe at 2 x seq, one process: tokens/s, MFU, memory per phase beside the planner's."""
+    from benchmarks import flops as F
+    from benchmarks.gpu import peak_tflops
+    from finetune.plan.archs import resolve
+
+    steps = sh_["warmup"] + sh_["steps"]
+    rec = recipe(sh_["m8"], sh_["seq"], steps, work / "single")
+    rec["data"]["eval_sources"] = []  # the timed run holds no eval: its phases are load, wrap, steps, save
+    rec["data"]["eval_split"] = 0
+    res = _train_and_read(rec, work, "single", sh_)
+    plan = estimate(work / "single.yaml", work / "commands.log")
+    arch, _ = resolve(sh_["m8"])
+    seq = sh_["seq"]
+    flops = F.lora_step_flops(arch, 16, seq, checkpointing=False)["model"]
+    # Every token of a synthetic row is trained and no row is padded: processed tokens = trained tokens.
+    res["all_tokens_per_s"] = res["trained_tokens_per_s"]
+    env = _read_env(work)
+    measured_peak = env.get("matmul_bf16_tflops")
+    sheet = peak_tflops(env.get("gpu", "")) if env.get("gpu") else None
+    res["mfu_vs_measured_matmul"] = (F.mfu(res["trained_tokens_per_s"], flops, measured_peak * 1e12)
+                                     if measured_peak else None)
+    res["mfu_vs_datasheet"] = F.mfu(res["trained_tokens_per_s"], flops, sheet * 1e12) if sheet else None
+    res["flops_per_token"] = flops
+    res["plan"] = {"allocated_gib": plan["gpu_bytes_allocated"] / GIB, "reserved_gib": plan["gpu_bytes_reserved"] / GIB,
+                   "loading_gib": plan["gpu_bytes_loading"] / GIB, "total_gib": plan["gpu_bytes_per_device"] / GIB,
+                   "cpu_loading_gib": plan["cpu_bytes"]["loading"] / GIB}
+    res["errors_pct"] = _plan_errors(res["memory"], res["plan"])
+    return res
+
+
+def _plan_errors(memory: dict, plan: dict) -> dict:
+    ph = memory["phases"]
+    if memory["kind"] != "cuda":
+        return {}
+    out = {}
+    if "steps" in ph:
+        out["steps_allocated"] = err(ph["steps"]["peak_allocated_gib"], plan["allocated_gib"])
+        out["steps_reserved"] = err(ph["steps"]["peak_reserved_gib"], plan["reserved_gib"])
+    if "load" in ph:
+        out["load_reserved_vs_loading_plan"] = err(ph["load"]["peak_reserved_gib"], plan["loading_gib"])
+    return out
+
+
+def _read_env(work: Path) -> dict:
+    f = work / "stage_env.json"
+    return json.loads(f.read_text()) if f.exists() else {}
+
+
+def stage_fsdp(work: Path, sh_: dict, version: int) -> dict:
+    """FSDP at world size 1 through torchrun (NCCL on a GPU, gloo in the dry run): the sharded streaming load,
+    train, save, resume, eval, generate; for FSDP2 the packed-byte and logits check against a whole load."""
+    name = f"fsdp{version}"
+    steps = 4
+    rec = recipe(sh_["m8_short"], sh_["seq"], steps, work / name,
+                 distributed={"strategy": "fsdp", "num_processes": 1}, fsdp={"version": version})
+    rec["train"].update({"save_every": 2, "log_every": 1})
+    if version == 1:  # FSDP1 flattens one dtype per unit: fp32 storage keeps the adapters fp32 (lora.dtype)
+        rec["model"]["dtype"] = "float32"
+    if sh_["device"] == "cpu":
+        rec["fsdp"]["cpu_ram_efficient_loading"] = False
+    res = {}
+    first = _train_and_read(rec, work, name, {**sh_, "warmup": 1}, launcher=torchrun)
+    res["train"] = {k: first[k] for k in ("seconds", "trained_tokens_per_s", "first_loss", "last_loss", "memory")}
+    log = work / "commands.log"
+    # Resume: two more steps from the step-4 checkpoint; the run must say so and not re-run steps 1-4.
+    rec["train"]["max_steps"] = steps + 2
+    path = write_recipe(rec, work / f"{name}.yaml")
+    p = must(sh(torchrun(str(path)), log=log), f"{name} resume")
+    text = p.stdout + p.stderr
+    steps_logged = [r["step"] for r in read_jsonl(work / name / "metrics.jsonl") if "loss" in r]
+    res["resume"] = {"said_resume": f"from {work / name / 'checkpoints' / f'step-{steps}'}" in text,
+                     "steps_after_resume": [s for s in steps_logged if s > steps],
+                     "ok": f"(step {steps})" in text and steps_logged.count(1) == 1}
+    p = must(sh(finetune("eval", str(work / name), "--json"), log=log), f"{name} eval")
+    res["eval"] = last_json_line(p.stdout)
+    p = must(sh(finetune("generate", str(work / name), "--prompt", "Hello", "--max-new-tokens", "8"), log=log),
+             f"{name} generate")
+    res["generate"] = {"ok": True, "output_tail": p.stdout.strip()[-200:]}
+    res["attention_line"] = [ln for ln in text.splitlines() if "attention" in ln.lower()][:2]
+    if version == 2:
+        p = must(sh([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                     "29518", "-m", "benchmarks.bytecheck", str(work / f"{name}.yaml")], log=log), "bytecheck")
+        res["bytecheck"] = last_json_line(p.stdout)
+    return res
+
+
+def stage_load70b(work: Path, sh_: dict) -> dict:
+    """The 70B-width model (few layers): GPU memory after load and wrap (2 steps) against the planner."""
+    rec = recipe(sh_["m70"], min(sh_["seq"], 512), 2, work / "load70b")
+    rec["data"]["eval_sources"] = []
+    rec["data"]["eval_split"] = 0
+    res = _train_and_read(rec, work, "load70b", {**sh_, "warmup": 1})
+    plan = estimate(work / "load70b.yaml", work / "commands.log")
+    res["plan"] = {"loading_gib": plan["gpu_bytes_loading"] / GIB, "allocated_gib": plan["gpu_bytes_allocated"] / GIB,
+                   "reserved_gib": plan["gpu_bytes_reserved"] / GIB, "cpu_loading_gib": plan["cpu_bytes"]["loading"] / GIB}
+    res["errors_pct"] = _plan_errors(res["memory"], res["plan"])
+    return res
+
+
+def stage_trl(work: Path, sh_: dict) -> dict:
+    """TRL's SFTTrainer (peft + bitsandbytes) on the same 8B model, rows, batch, LoRA, optimizer and bf16."""
+    p = must(sh([sys.executable, "-m", "benchmarks.gpu_trl", json.dumps({**sh_, "work": str(work)})],
+                log=work / "commands.log"), "TRL arm")
+    trl = last_json_line(p.stdout)
+    single = work / "stage_single.json"
+    ours = json.loads(single.read_text()) if single.exists() else None
+    out = {"trl": trl}
+    if ours:
+        out["finetune_over_trl"] = {
+            "tokens_per_s": round(ours["trained_tokens_per_s"] / trl["tokens_per_s"], 3),
+            "peak_allocated": (round(ours["memory"]["phases"]["steps"]["peak_allocated_gib"] / trl["peak_allocated_gib"], 3)
+                               if ours["memory"]["kind"] == "cuda" else None)}
+    return out
+
+
+def stage_fp16(work: Path, sh_: dict) -> dict:
+    """fp16 with loss scaling through the real loop, then a stop (SIGTERM) between micro-batches and resume."""
+    import signal
+
+    rec = recipe(sh_["m8_short"], sh_["seq"], 40, work / "fp16",
+                 train={"mixed_precision": "fp16", "gradient_accumulation_steps": 2, "save_every": 1000})
+    rec["quantization"]["compute_dtype"] = "float16"
+    rec["model"]["dtype"] = "float32"  # fp16 trains on fp32 storage and master weights (validate says why)
+    path = write_recipe(rec, work / "fp16.yaml")
+    env = child_env()
+    proc = subprocess.Popen(finetune(str(path)), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    metrics = work / "fp16" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:  # stop once two steps are logged
+        if metrics.exists() and sum(1 for _ in metrics.open()) >= 2:
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.2)
+    text, _ = proc.communicate(timeout=600)
+    with (work / "commands.log").open("a") as f:
+        f.write(f"$ fp16 run, SIGTERM after two logged steps (exit {proc.returncode})\n{text[-20000:]}\n")
+    records = read_jsonl(metrics)
+    losses = [r["loss"] for r in records if "loss" in r]
+    import math
+
+    return {"exit": proc.returncode, "stopped_line": next((ln for ln in text.splitlines() if "stopped by signal" in ln), None),
+            "steps_logged": len(losses), "losses_finite": all(math.isfinite(x) for x in losses),
+            "skipped_steps": [r.get("skipped_steps") for r in records if "skipped_steps" in r][-1:],
+            "checkpoints": sorted(p.name for p in (work / "fp16" / "checkpoints").glob("step-*"))}
+
+
+STAGES = {"env": stage_env, "models": stage_models, "single": stage_single,
+          "fsdp2": lambda w, s: stage_fsdp(w, s, 2), "fsdp1": lambda w, s: stage_fsdp(w, s, 1),
+          "load70b": stage_load70b, "trl": stage_trl, "fp16": stage_fp16}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_stages")
+    ap.add_argument("stage", choices=list(STAGES))
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args(argv)
+    a.work.mkdir(parents=True, exist_ok=True)
+    res = STAGES[a.stage](a.work, shapes(a.dry_run))
+    (a.work / f"stage_{a.stage}.json").write_text(json.dumps(res, default=str, indent=1))
+    print(json.dumps(res, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
