@@ -36,7 +36,7 @@ def build_model(r: int = 16, dropout: float = 0.05):
 
     cfg = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=dropout, target_modules="all-linear", task_type="CAUSAL_LM")
     model = get_peft_model(model, cfg)
-    lean.apply(model)  # the training loss runs these (finetune.train.loss)
+    lean.apply(model)  # training puts these in at setup (finetune.train.loss.setup_forward)
     return model
 
 

@@ -31,11 +31,11 @@ from finetune.train.keepers import checkpoint, runlock
 from finetune.train.keepers.metrics import Metrics
 from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
 from finetune.train.lora import apply_lora, enable_checkpointing, trainable_report
-from finetune.train.loss import loss_totals
+from finetune.train.loss import loss_totals, setup_forward
 from finetune.train.keepers.memory import PhaseMemory
 from finetune.train.keepers.memory import table as memory_table
 from finetune.train.optim import build_optimizer, build_scheduler
-from finetune.train.parallel import has_accelerator_device, make_accelerator, wrap
+from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.train.stop import StopSignal
 from finetune.weights.device import resolve_cpu_precision
@@ -71,6 +71,8 @@ class Run:
     resumed_from: Path | None = None
     resume_state: dict | None = None  # the checkpoint's manifest, between checkpoint_to_resume and restore
     memory: object = None  # finetune.train.keepers.memory.PhaseMemory
+    offload: object = None  # the activation-offloading context of every training forward (None: off)
+    host_group: object = None  # parallel.host_group: host-side agreement beside a GPU process group
 
     @property
     def ckpt_root(self) -> Path:
@@ -110,6 +112,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         run.model, run.optimizer = wrap(run.acc, run.model, run.optimizer, plan)
         fill_shards(run.model, plan)  # FSDP: every rank streams its part of the base into its shards
         restore(run, resume_from)
+        run.offload = setup_forward(run.model, recipe.model.activation_offloading)  # lean modules, offloading
     if run.acc.is_main_process:
         write_recipe(run_dir, recipe)
         stats = run.prepared.stats
@@ -194,7 +197,7 @@ def setup(recipe: Recipe, run_dir: Path) -> Run:
     tok = load_tokenizer(recipe.model)
     with acc.local_main_process_first():  # builtin assets and data caches are built once per node
         prepared = prepare_data(recipe.data, tok, vocab_size(recipe.model.name))
-    return Run(recipe, run_dir, acc, tok, prepared)
+    return Run(recipe, run_dir, acc, tok, prepared, host_group=host_group(acc))
 
 
 def add_adapters(run: Run) -> None:
@@ -271,7 +274,7 @@ def save_or_stop(run: Run, stop: StopSignal) -> bool:
     if saved:
         save_checkpoint(run)
     # Checked after a scheduled save too: with save_every 1 every step saves, and a stop must still stop.
-    if run.step < run.total_steps and stop.requested(run.acc):
+    if run.step < run.total_steps and stop.requested(run.acc, run.host_group):
         if not saved:
             save_checkpoint(run)
         log.info(f"stopped by signal {stop.signum}: wrote checkpoints/step-{run.step}; re-run the same command "

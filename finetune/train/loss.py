@@ -15,9 +15,9 @@ from finetune.data import encode
 from finetune.plan.attention import uses_cpu_math_kernel
 from finetune.plan.logits import chunk_rows
 from finetune.train import lean
+from finetune.train.offload import setup_offload
 from finetune.weights.device import to_device
 from finetune.train.parallel import autocast
-from finetune.train.offload import offload_context
 
 # Config fields of models whose forward changes the logits after the output head (Gemma 2 soft-capping,
 # Cohere's logit scale, Granite's divisor): the head's result is not the logits there, so those models
@@ -25,8 +25,15 @@ from finetune.train.offload import offload_context
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def token_loss_sum(model, batch: dict, device_type: str, train_spec,
-                   activation_offload: bool = False) -> tuple[torch.Tensor, int]:
+def setup_forward(model, activation_offloading: bool):
+    """Once, at setup, on the wrapped model: the memory-lean norms and MLPs go in (lean.apply), and the
+    activation-offloading context is made (offload.setup_offload; None when off or without CUDA), to be
+    handed to every `token_loss_sum`. The loss itself changes no module."""
+    lean.apply(unwrapped(model))
+    return setup_offload(model, activation_offloading)
+
+
+def token_loss_sum(model, batch: dict, device_type: str, train_spec, offload=None) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over trained tokens, and their count.
 
     Summing (not averaging) per micro-batch lets the caller divide by the tokens of the whole optimizer
@@ -34,25 +41,23 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec,
 
     The output head runs only on the positions whose next token is trained, in chunks of rows whose
     logits are recomputed in backward (`chunked_head_loss`): [tokens x vocab] logits never exist at once.
-    With `activation_offload` (model.activation_offloading, CUDA) the forward runs under
-    finetune.train.offload. Callers run it, and its backward, inside `batch_kernels`."""
+    With `offload` (model.activation_offloading on CUDA: offload.setup_offload's context, made once at
+    setup) the forward runs under it. Nothing here changes the model: the memory-lean modules are put in
+    once, at setup (lean.apply). Callers run it, and its backward, inside `batch_kernels`."""
     labels = batch["labels"]
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     keep = torch.zeros_like(labels, dtype=torch.bool)
     keep[:, :-1] = labels[:, 1:] != encode.IGNORE  # position t predicts token t + 1
     targets = labels[:, 1:][keep[:, :-1]]
     base = unwrapped(model)
-    if not getattr(base, "_finetune_lean", False):  # once per model: memory-lean norms and MLPs
-        lean.apply(base)
-        base._finetune_lean = True
+    offloading = offload() if offload is not None else contextlib.nullcontext()
     if chunkable(base):
         with head_computes_loss(base, keep, targets, train_spec.loss_chunk_tokens) as called, \
-                autocast(train_spec, device_type), offload_context(model, activation_offload):
+                autocast(train_spec, device_type), offloading:
             loss = model(**inputs, use_cache=False).logits  # the head returned the summed loss
         _check_head_called(base, called)
         return loss, targets.numel()
-    with trained_rows_only(model, keep), autocast(train_spec, device_type), \
-            offload_context(model, activation_offload):
+    with trained_rows_only(model, keep), autocast(train_spec, device_type), offloading:
         logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
     if logits.dim() != 2 or logits.size(0) != targets.numel():
         _check_head_called(base, [])

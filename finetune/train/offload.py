@@ -97,19 +97,17 @@ def _sharded(model) -> bool:
         isinstance(p, DTensor) for p in model.parameters())
 
 
-def offload_context(model, enabled: bool):
-    """The context to run a forward pass under: offloading (set up once per model) or nothing. Under FSDP
-    the embedding table is a shard that FSDP gathers on the GPU, so it stays where FSDP keeps it."""
+def setup_offload(model, enabled: bool):
+    """Once, at setup, on the wrapped model: the context every training forward runs under (an
+    ActivationOffload, called for each forward) or None (off, or no CUDA). Under FSDP the embedding table
+    is a shard that FSDP gathers on the GPU, so it stays where FSDP keeps it; otherwise it moves to
+    pinned CPU memory (embeddings_to_cpu)."""
     if not enabled or not torch.cuda.is_available():
-        return contextlib.nullcontext()
+        return None
     from accelerate.utils import extract_model_from_parallel
 
-    off = getattr(model, "_finetune_offload", None)
-    if off is None:
-        base = extract_model_from_parallel(model)
-        device = next(p.device for p in base.parameters() if p.device.type == "cuda")
-        if not _sharded(model):
-            embeddings_to_cpu(base.get_base_model() if hasattr(base, "get_base_model") else base, device)
-        off = ActivationOffload(device)
-        model._finetune_offload = off
-    return off()
+    base = extract_model_from_parallel(model)
+    device = next(p.device for p in base.parameters() if p.device.type == "cuda")
+    if not _sharded(model):
+        embeddings_to_cpu(base.get_base_model() if hasattr(base, "get_base_model") else base, device)
+    return ActivationOffload(device)

@@ -305,6 +305,17 @@ def wrap(accelerator, model, optimizer, plan=None):
     return out
 
 
+def host_group(accelerator):
+    """A gloo process group over all ranks for the host values the loop agrees on every micro-batch (the
+    stop flag, token counts), so agreeing never waits for the GPU; None when there is one process or the
+    default group already is gloo (CPU). Collective: every rank calls it, once, at setup."""
+    from torch import distributed  # not `dist`: this module's `dist` is the recipe's distributed section
+
+    if accelerator.num_processes == 1 or not distributed.is_initialized() or distributed.get_backend() == "gloo":
+        return None
+    return distributed.new_group(backend="gloo")
+
+
 def _offloads_params(plugin) -> bool:
     """Whether FSDP keeps the parameter shards in CPU memory (Accelerate turns `cpu_offload` into torch's
     FSDP2 CPUOffloadPolicy or FSDP1 CPUOffload)."""

@@ -1,6 +1,12 @@
 """One optimizer step of the loop: micro-batches to the device, forward/backward with gradient sync only on
 the last micro-batch, the fp16 loss scaler, clipping, the optimizer and schedule, and a stop check between
-micro-batches. `run` is the loop's Run (finetune.train.loop)."""
+micro-batches. `run` is the loop's Run (finetune.train.loop).
+
+On a GPU the host waits for the device once per step: the step's loss stays on the device until the end,
+where it is reduced over ranks and read with the gradient norm in one transfer. What must be agreed on
+before (the step's trained tokens, counted on the CPU batches) and between micro-batches (the stop flag, a
+host value) goes over a host-side group (`run.host_group`, gloo), which never waits for the GPU; so the stop
+is still seen after every micro-batch. (fp16's loss scaler reads its overflow flag once more per step.)"""
 from __future__ import annotations
 
 import contextlib
@@ -12,16 +18,19 @@ from finetune.train.loss import batch_kernels, token_loss_sum, trained_tokens
 from finetune.train.scaling import LossScaler
 
 
-def next_micro_batches(run) -> list[dict]:
-    """The next optimizer step's micro-batches on the device, going on to the next epoch at an epoch's end."""
-    micro = []
+def next_micro_batches(run) -> tuple[list[dict], int]:
+    """(the next optimizer step's micro-batches on the device, their trained tokens on this rank, counted on
+    the host copies), going on to the next epoch at an epoch's end."""
+    micro, tokens = [], 0
     while len(micro) < run.recipe.train.gradient_accumulation_steps:
         if run.cursor >= len(run.batches):
             run.epoch, run.cursor = run.epoch + 1, 0
             run.batches = run.epoch_batches()
-        micro.append(to_device(run.batches[run.cursor], run.acc.device))
+        batch = run.batches[run.cursor]
+        tokens += trained_tokens(batch)
+        micro.append(to_device(batch, run.acc.device))
         run.cursor += 1
-    return micro
+    return micro, tokens
 
 
 def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] | None:
@@ -34,19 +43,19 @@ def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] |
     start = (run.epoch, run.cursor)
     # Gather this step's micro-batches first: the loss is normalised by the trained tokens of the
     # whole step on every rank, which must be known before the first backward.
-    micro = next_micro_batches(run)
-    step_tokens = global_sum(acc, sum(trained_tokens(b) for b in micro))
-    loss_total = 0.0
+    micro, tokens = next_micro_batches(run)
+    step_tokens = host_sum(run, tokens)
+    loss_total = None  # on the device until the end of the step
     for i, b in enumerate(micro):
         last = i == len(micro) - 1
         with gradient_sync(run, last), batch_kernels(b, device_type, t):
-            loss_sum, _ = token_loss_sum(run.model, b, device_type, t, run.recipe.model.activation_offloading)
+            loss_sum, _ = token_loss_sum(run.model, b, device_type, t, run.offload)
             # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
             acc.backward(run.scaler.scale(loss_sum * acc.num_processes / step_tokens))
-        loss_total += loss_sum.item()
+        loss_total = loss_sum.detach() if loss_total is None else loss_total + loss_sum.detach()
         # A preempted worker is killed ~30 s after SIGTERM; a whole step can take longer. Every rank asks
-        # after every micro-batch (one scalar all-reduce, so all agree on where to stop).
-        if not last and stop is not None and stop.requested(acc):
+        # after every micro-batch (one scalar all-reduce over the host group, so all agree on where to stop).
+        if not last and stop is not None and stop.requested(acc, run.host_group):
             run.optimizer.zero_grad(set_to_none=True)
             rewind(run, start)
             return None
@@ -58,7 +67,24 @@ def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] |
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    return global_sum(acc, loss_total) / step_tokens, grad_norm, step_tokens
+    loss, grad_norm = read_step_values(acc, loss_total, grad_norm)
+    return loss / step_tokens, grad_norm, step_tokens
+
+
+def read_step_values(acc, loss_total: torch.Tensor, grad_norm) -> tuple[float, float | None]:
+    """(the step's loss summed over ranks, the gradient norm) as floats, in one device-to-host read. The
+    norm is already the same on every rank (clipping reduces it)."""
+    loss = loss_total.reshape(1).to(torch.float64)
+    if acc.num_processes > 1:
+        loss = acc.reduce(loss, reduction="sum")
+    values = [loss.reshape(())]
+    if grad_norm is not None:
+        from torch.distributed.tensor import DTensor
+
+        norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else torch.as_tensor(grad_norm)
+        values.append(norm.to(loss.device, torch.float64).reshape(()))
+    read = torch.stack(values).tolist()
+    return read[0], (read[1] if grad_norm is not None else None)
 
 
 def gradient_sync(run, last: bool):
@@ -81,6 +107,19 @@ def rewind(run, start: tuple[int, int]) -> None:
         run.epoch = start[0]
         run.batches = run.epoch_batches()
     run.cursor = start[1]
+
+
+def host_sum(run, value: float) -> float:
+    """`value` summed over ranks through the host group (no wait for the GPU), or global_sum without one."""
+    if run.acc.num_processes == 1:
+        return value
+    if run.host_group is None:
+        return global_sum(run.acc, value)
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, group=run.host_group)
+    return float(t.item())
 
 
 def global_sum(accelerator, value: float) -> float:

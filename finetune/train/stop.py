@@ -41,13 +41,21 @@ class StopSignal:
         # Nothing is printed here: a print interrupted by a handler that prints raises "reentrant call".
         self.signum = self.signum or signum
 
-    def requested(self, acc) -> bool:
-        """Whether any rank was signalled (collective when there are several processes)."""
+    def requested(self, acc, host_group=None) -> bool:
+        """Whether any rank was signalled (collective when there are several processes). With `host_group`
+        (parallel.host_group: gloo beside a GPU group) the flag stays a host value and the GPU is not
+        waited for."""
         flag = 1.0 if self.signum is not None else 0.0
         if acc.num_processes == 1:
             return flag > 0
         import torch
 
+        if host_group is not None:
+            import torch.distributed as dist
+
+            t = torch.tensor([flag], dtype=torch.float64)
+            dist.all_reduce(t, group=host_group)
+            return float(t.item()) > 0
         t = torch.tensor([flag], dtype=torch.float64, device=acc.device)
         return float(acc.reduce(t, reduction="sum").item()) > 0
 

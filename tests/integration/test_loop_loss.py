@@ -183,6 +183,24 @@ def test_lean_norms_and_mlps_give_the_stock_loss_and_gradients(tiny_model_dir):
     assert lean_saved < saved
 
 
+def test_the_loss_changes_no_module_setup_puts_the_lean_modules_in(tiny_model_dir):
+    """The loss only computes; what changes modules (the memory-lean norms and MLPs) happens once, at setup,
+    where _train shows it (loss.setup_forward)."""
+    from finetune.train.loss import setup_forward, token_loss_sum
+    from finetune.train.lora import apply_lora
+    from finetune.weights.model import load_model
+
+    model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False),
+                       QuantizationSpec(compute_dtype="float32"), quiet=True)
+    model = apply_lora(model, LoraSpec(r=8, dropout=0.0), seed=0)
+    ids = torch.randint(3, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    swapped = lambda: sum("forward" in vars(m) for m in model.modules())  # noqa: E731
+    token_loss_sum(model, {"input_ids": ids, "labels": ids}, "cpu", TrainSpec(mixed_precision="no"))
+    assert swapped() == 0
+    assert setup_forward(model, activation_offloading=False) is None  # no offloading asked (and no CUDA)
+    assert swapped() == 4 * 3 + 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("amp", [False, True])
 def test_each_lean_module_is_the_stock_one_bit_for_bit(amp, dtype):

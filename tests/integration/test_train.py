@@ -196,3 +196,26 @@ def test_gradient_checkpointing_recomputes_the_same_training(tmp_path, capsys):
     assert runs[True][0] == pytest.approx(runs[False][0], rel=1e-4)
     for k, v in runs[False][1].items():
         torch.testing.assert_close(runs[True][1][k], v, rtol=1e-3, atol=1e-5)
+
+
+def test_one_device_read_per_optimizer_step(tmp_path, monkeypatch):
+    """On a GPU every read of a device value waits for the queue to drain. The step keeps its loss on the
+    device and reads it with the gradient norm once, at the end; the stop flag and the token count are host
+    values (tests/integration/test_signals.py and test_distributed_faults.py keep the stop latency at one
+    micro-batch). Counted here as the tensor-to-Python conversions made by step.py and stop.py themselves."""
+    import sys as _sys
+
+    counted = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _original=original, _name=name, **k):
+            caller = _sys._getframe(1).f_code.co_filename
+            if caller.endswith(("finetune/train/step.py", "finetune/train/stop.py")):
+                counted.append(_name)
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    steps = 3
+    train(tiny(tmp_path, train={"max_steps": steps, "gradient_accumulation_steps": 4, "micro_batch_size": 2,
+                                "max_grad_norm": 1.0}), tmp_path / "run")
+    assert counted == ["tolist"] * steps, counted
