@@ -15,7 +15,6 @@ replaced, permissions, leftovers and write errors are `finetune.merge.output`'s.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -31,6 +30,7 @@ from finetune.merge.output import apply_umask, clean_stale, output_dir, temp_dir
 from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
 from finetune.weights.portable import save_tokenizer
 from finetune.util.atomic import replace_dir
+from finetune.util.digest import file_sha256
 from finetune.util.dtypes import recipe_name, torch_dtype
 from finetune.util.errors import RecipeError
 from finetune.util.libc import glibc, trim_heap
@@ -190,20 +190,12 @@ def tokenizer_dir(src: Source) -> Path:
                        "model needs one; copy the base model's tokenizer files into either"], "merge")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def fingerprint(src: Source, target: str, dtype: str, max_bytes: int) -> dict:
     """What the output depends on. Base shards by name and size (hashing a 140 GB base on every run
     would cost more than the merge); the adapter by content."""
     base_files = sorted((p.name, p.stat().st_size) for p in src.base_dir.glob("*.safetensors"))
     fp = {"format": FORMAT_VERSION, "base": src.base_name, "base_files": base_files,
-          "adapter_sha256": _sha256(src.adapter_dir / "adapter_model.safetensors"),
+          "adapter_sha256": file_sha256(src.adapter_dir / "adapter_model.safetensors"),
           "target": target, "dtype": dtype, "max_shard_size": max_bytes}
     return json.loads(json.dumps(fp))  # the form it takes in merge_info.json, so the two compare equal
 

@@ -228,7 +228,9 @@ def test_checkpoint_hashes_without_python_311s_file_digest(tmp_path, monkeypatch
     whole training run must not crash there. Removing it here stands in for 3.10."""
     import hashlib
 
+    from finetune.util.digest import file_sha256
+
     monkeypatch.delattr(hashlib, "file_digest", raising=False)
     f = tmp_path / "blob"
     f.write_bytes(os.urandom(3 * 2**20 + 17))  # several read blocks and a short last one
-    assert C._sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert file_sha256(f) == hashlib.sha256(f.read_bytes()).hexdigest()

@@ -53,3 +53,25 @@ def test_torch_functions_are_replaced_only_where_listed():
 def test_the_patch_finder_finds_patches():
     src = "import torch\nfrom torch.distributed.fsdp import _init_utils as u\nu.f, x = 1, 2\ntorch.cuda.g = 3\ny.z = 4\n"
     assert torch_attribute_assignments(src) == ["u.f", "torch.cuda.g"]
+
+
+def test_fsdp1_internals_the_meta_fill_uses_are_still_there():
+    """weights/fsdp1.py's private uses of torch FSDP1, pinned: a torch that renames or reshapes any of them
+    fails here, by name, before a sharded FSDP1 load fails somewhere in the middle."""
+    import inspect
+
+    from torch.distributed.fsdp import _init_utils
+    from torch.distributed.fsdp._flat_param import FlatParameter, FlatParamHandle
+
+    assert list(inspect.signature(_init_utils._get_compute_device).parameters) == [
+        "module", "ignored_params", "device_from_device_id", "rank", "device_handle"]
+    assert callable(_init_utils._get_orig_params)
+    for name in ("flat_param_to", "_use_sharded_views", "_get_shard_metadata"):
+        assert callable(getattr(FlatParamHandle, name)), name
+    assert list(inspect.signature(FlatParamHandle._get_shard_metadata).parameters)[1:] == [
+        "unsharded_start_idx", "unsharded_end_idx"]
+    # set on every FlatParameter by _init_metadata / _init_shard_metadata
+    source = inspect.getsource(FlatParameter) + inspect.getsource(FlatParamHandle)
+    for attr in ("_param_infos", "_shard_param_infos", "_params", "_shared_params", "_offload_params",
+                 "uses_sharded_strategy"):
+        assert attr in source, attr

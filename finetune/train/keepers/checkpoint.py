@@ -10,7 +10,6 @@ format, full shapes (gathered). Each rank writes its own optimizer and RNG state
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -23,6 +22,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from finetune.recipe import fingerprint as fp
 from finetune.util import atomic
+from finetune.util.digest import file_sha256
 from finetune.util.errors import explain
 from finetune.util.log import log
 
@@ -132,17 +132,8 @@ def _rng_state() -> dict:
     return state
 
 
-def _sha256(p: Path) -> str:
-    # Read in blocks, not hashlib.file_digest: that needs Python 3.11, and 3.10 is supported (pyproject).
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _file_entry(p: Path) -> dict:
-    return {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+    return {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
 
 
 def problems(path: Path, hashes: bool = True) -> str | None:
@@ -164,7 +155,7 @@ def problems(path: Path, hashes: bool = True) -> str | None:
             return f"missing {name}"
         if p.stat().st_size != want.get("bytes"):
             return f"{name} has {p.stat().st_size} bytes, the manifest says {want.get('bytes')}"
-        if hashes and "sha256" in want and _sha256(p) != want["sha256"]:
+        if hashes and "sha256" in want and file_sha256(p) != want["sha256"]:
             return f"{name} does not have the content it was written with (SHA-256 differs)"
     return None
 
