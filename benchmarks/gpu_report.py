@@ -73,6 +73,9 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
         out = [f"- train: loss {r['train']['first_loss']} -> {r['train']['last_loss']}, "
                f"{_f(r['train']['trained_tokens_per_s'], 0)} trained tokens/s",
                f"- resume: {r['resume']}", f"- eval: {r['eval']}", f"- generate: {r['generate']}"]
+        if "plan" in r:
+            out.append(f"- plan (`finetune estimate`): peak allocated {r['plan']['allocated_gib']:.2f} GiB, reserved "
+                       f"{r['plan']['reserved_gib']:.2f} GiB; error vs measured (%): {r.get('errors_pct')}")
         if "bytecheck" in r:
             out.append(f"- packed-byte check after the FSDP2 wrap and after unshard (bitsandbytes 1945): {r['bytecheck']}")
         return out + [""] + _mem_rows(r["train"]["memory"])

@@ -24,7 +24,7 @@ from finetune.recipe import Recipe
 from finetune.recipe.rundir import write_recipe
 from finetune.recipe.fingerprint import fingerprint
 from finetune.train import checkpoint, guard, runlock
-from finetune.train.device import resolve_cpu_precision
+from finetune.train.device import release_cached_memory, resolve_cpu_precision
 from finetune.train.distributed import gather_full_adapter_state, has_accelerator_device, make_accelerator, prepare
 from finetune.train.lora import apply_lora, trainable_report
 from finetune.train.load import placement_for
@@ -95,6 +95,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         run = setup(recipe, run_dir)
     with mem.phase("wrap"):
         resume(run)
+    release_cached_memory()  # the load's transients stay out of the pool the steps draw from
     if run.acc.is_main_process:
         write_recipe(run_dir, recipe)
         stats = run.prepared.stats
@@ -141,6 +142,11 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
             run.metrics.close()
             mem.write(run_dir, run.acc)
             return {"step": run.step, "stopped": True, **last}
+    return finish(run, mem, last, return_model)
+
+
+def finish(run: Run, mem: PhaseMemory, last: dict, return_model: bool) -> dict:
+    """After the last step: the final held-out pass, the adapter, the memory report. Collective."""
     final = {"step": run.step, **last}
     if run.scaler.enabled:
         final["skipped_steps"] = run.scaler.skipped
@@ -151,7 +157,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     with mem.phase("export"):
         export_adapter(run)
     run.metrics.close()
-    memory = mem.write(run_dir, run.acc)
+    memory = mem.write(run.run_dir, run.acc)
     if memory is not None:
         log.info("memory per phase (largest rank; RUN_DIR/memory.json):\n" + memory_table(memory))
     run.acc.wait_for_everyone()
