@@ -57,7 +57,7 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
         return rows
     if name == "models":
         return [f"- {k}: `{v['name']}`, {v['gib']} GiB, built in {v['seconds']} s" for k, v in r.items()]
-    if name in ("single", "load70b"):
+    if name == "single" or name.startswith("load70b"):
         out = [f"- trained tokens/s {_f(r['trained_tokens_per_s'], 0)} (all tokens/s {_f(r.get('all_tokens_per_s'), 0)}), "
                f"{r['s_per_step']} s/step over {r['timed_steps']} timed steps; loss {r['first_loss']} -> {r['last_loss']}"]
         if "mfu_vs_datasheet" in r:
