@@ -69,9 +69,10 @@ def write_recipe(rec: dict, path: Path) -> Path:
     return path
 
 
-def sh(cmd: list[str], timeout: float = 900, log: Path | None = None) -> subprocess.CompletedProcess:
+def sh(cmd: list[str], timeout: float = 900, log: Path | None = None, env_extra: dict | None = None
+       ) -> subprocess.CompletedProcess:
     """Run a command of finetune's from the checkout; its output goes to `log` (appended) too."""
-    env = child_env()
+    env = {**child_env(), **(env_extra or {})}
     env.pop("PYTHONWARNINGS", None)  # the proof wants to see what a user sees
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
@@ -392,9 +393,27 @@ def stage_fp16(work: Path, sh_: dict) -> dict:
             "checkpoints": sorted(p.name for p in (work / "fp16" / "checkpoints").glob("step-*"))}
 
 
+def stage_fsdp2_trace(work: Path, sh_: dict) -> dict:
+    """Where FSDP2's step peak comes from: the fsdp2 stage's model and batch for 2 steps, with torch's allocator
+    trace (FINETUNE_MEMORY_TRACE, GPU only): the allocations alive at the peak, by the line that made them."""
+    rec = recipe(sh_["m8_short"], sh_["seq"], 2, work / "fsdp2_trace",
+                 distributed={"strategy": "fsdp", "num_processes": 1}, fsdp={"version": 2})
+    rec["data"]["eval_sources"] = []
+    rec["data"]["eval_split"] = 0
+    if sh_["device"] == "cpu":
+        rec["fsdp"]["cpu_ram_efficient_loading"] = False
+    path = write_recipe(rec, work / "fsdp2_trace.yaml")
+    trace = work / "trace"
+    must(sh(torchrun(str(path)), log=work / "commands.log", env_extra={"FINETUNE_MEMORY_TRACE": str(trace)}),
+         "fsdp2 traced run")
+    f = trace / "memory_trace_rank0.json"
+    return {"memory": phase_peaks(work / "fsdp2_trace"),
+            "trace": json.loads(f.read_text()) if f.exists() else "no trace (recorded on CUDA only)"}
+
+
 STAGES = {"env": stage_env, "models": stage_models, "single": stage_single,
           "fsdp2": lambda w, s: stage_fsdp(w, s, 2), "fsdp1": lambda w, s: stage_fsdp(w, s, 1),
-          "load70b": stage_load70b, "trl": stage_trl, "fp16": stage_fp16}
+          "load70b": stage_load70b, "trl": stage_trl, "fp16": stage_fp16, "fsdp2_trace": stage_fsdp2_trace}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,7 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     assert len(files) <= 8 and {"results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log"} <= set(files)
     res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
     assert [n for n, r in res.items() if r["status"] == "ok"] == list(res), res
-    assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16"}
+    assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16", "fsdp2_trace"}
     single = res["single"]["result"]
     assert single["trained_tokens_per_s"] > 0 and single["last_loss"] > 0
     assert {"load", "wrap", "steps", "save", "export"} <= set(single["memory"]["phases"])
@@ -49,7 +49,7 @@ def test_a_short_deadline_skips_stages_and_still_writes_the_summary(tmp_path):
     p = proof(tmp_path / "out", tmp_path / "work", "--deadline", "60", timeout=400)
     assert p.returncode == 1  # not every stage ran
     res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
-    assert len(res) == 8
+    assert len(res) == 9
     skipped = [n for n, r in res.items() if r["status"] == "skipped"]
     assert skipped and all("left of the deadline" in res[n]["why"] for n in skipped)
     assert res["env"]["status"] == "ok"
