@@ -6,7 +6,7 @@ published figures.
 
 It trains with finetune's own loop (`finetune.train.loop.train`), reads steady-state throughput from the run's
 metrics.jsonl (the first `--warmup` steps excluded), takes each GPU's peak allocated and reserved memory from
-torch, and writes a markdown report (default benchmarks/RESULTS_GPU.md) beside a table of published runs.
+torch, and writes a markdown report (default benchmarks/RESULTS_GPU_BENCH.md; RESULTS_GPU.md is the GPU proof's) beside a table of published runs.
 It needs CUDA; without it it stops with exit code 2 before loading anything.
 
 MFU counts model FLOPs per processed (non-padding) token of LoRA training, without recomputation:
@@ -27,7 +27,7 @@ from benchmarks import flops as F
 from benchmarks.common import commit, now, read_jsonl, steady_rate, versions
 from finetune.util.errors import RecipeError
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "RESULTS_GPU.md"
+DEFAULT_OUT = Path(__file__).resolve().parent / "RESULTS_GPU_BENCH.md"
 GIB = 2**30
 # Published single-run figures to put ours next to. Compare like with like: same model, method, GPU,
 # sequence length and batch; tokens/s definitions differ between projects (trained vs all tokens).
@@ -124,7 +124,7 @@ def _gib(xs) -> str:
 
 
 def report(result: dict) -> str:
-    """RESULTS_GPU.md: our run, then the published rows, with the settings that make them comparable."""
+    """RESULTS_GPU_BENCH.md: our run, then the published rows, with the settings that make them comparable."""
     r = result
     mfu = "n/a (unknown GPU: pass --peak-tflops)" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
     hfu = "" if r.get("hfu") is None else f" (HFU {100 * r['hfu']:.1f}%)"

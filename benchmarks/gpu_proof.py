@@ -36,6 +36,7 @@ STAGES = [
     ("load70b", "70B-width model: memory after load and wrap vs the planner", 70, 60, 240),
     ("trl", "TRL SFTTrainer on the same 8B model and batch: ratios", 120, 90, 300),
     ("fp16", "fp16 with loss scaling, a stop between micro-batches", 60, 60, 180),
+    ("fsdp2_trace", "FSDP2 world 1, 2 steps under torch's allocator trace: what is alive at the peak", 60, 40, 180),
 ]
 FILES = ("results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log")
 

@@ -38,7 +38,7 @@ from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.train.stop import StopSignal
-from finetune.weights.device import resolve_cpu_precision
+from finetune.weights.device import release_cached_memory, resolve_cpu_precision
 from finetune.weights.model import fill_shards, load_with_plan
 from finetune.weights.placement import placement_for
 from finetune.weights.portable import portable_peft_config, save_tokenizer
@@ -113,6 +113,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         fill_shards(run.model, plan)  # FSDP: every rank streams its part of the base into its shards
         restore(run, resume_from)
         run.offload = setup_forward(run.model, recipe.model.activation_offloading)  # lean modules, offloading
+    release_cached_memory()  # the load's transients stay out of the pool the steps draw from
     if run.acc.is_main_process:
         write_recipe(run_dir, recipe)
         stats = run.prepared.stats

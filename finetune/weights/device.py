@@ -114,3 +114,15 @@ def resolve_cpu_precision(recipe, on_cpu: bool, native_bf16: bool | None = None)
     return (recipe.model_copy(update={"train": train, "quantization": quant}),
             f"precision: {slow}; computing in fp32 (train.mixed_precision: {train.mixed_precision}, "
             f"quantization.compute_dtype: {quant.compute_dtype}). Set them in the recipe to choose otherwise")
+
+
+def release_cached_memory() -> None:
+    """Hand memory the load no longer uses back to the device: on a GPU torch's caching allocator keeps the
+    blocks of the load's transients reserved for the rest of the run (measured on an H200: the load phase of
+    a 70B-width run, whose synthetic weights were drawn on the GPU in it, left 7.96 GiB reserved for steps
+    that allocate 5.61), so empty its cache; on CPU return freed heap pages to the system (the same role)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    from finetune.util.libc import trim_heap
+
+    trim_heap()

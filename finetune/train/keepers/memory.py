@@ -7,6 +7,11 @@ it records the peak resident set size of the phase: the kernel's high-water mark
 far, and the record says so. A phase entered many times (steps, eval, save) keeps its largest peak.
 
 Every rank measures itself; `write` gathers the ranks' figures into RUN_DIR/memory.json on the main process.
+
+With FINETUNE_MEMORY_TRACE=DIR on a GPU, torch's allocator also records every allocation of the run with its
+Python stack, and each rank writes DIR/memory_trace_rank{N}.json: the allocations alive at the run's peak,
+grouped by the line of finetune or of a library that made them (`peak_sites`). Tracing slows the steps; it
+is for finding where a peak comes from.
 """
 from __future__ import annotations
 
@@ -18,6 +23,9 @@ from pathlib import Path
 import torch
 
 PHASES = ("load", "wrap", "steps", "eval", "save", "export")
+TRACE_ENV = "FINETUNE_MEMORY_TRACE"
+# Frames worth naming as the place an allocation comes from: ours first, then the libraries that allocate.
+SITE_PACKAGES = ("/finetune/", "/peft/", "/bitsandbytes/", "/transformers/", "/accelerate/", "/torch/distributed/")
 
 
 def _proc_status_kib(field: str) -> int | None:
@@ -52,9 +60,15 @@ class PhaseMemory:
         return cls(torch.device("cpu"))
 
     def __init__(self, device: torch.device):
+        import os
+
         self.cuda = device.type == "cuda"
         self.device = device
         self.phases: dict[str, dict] = {}
+        self.trace_dir = os.environ.get(TRACE_ENV) if self.cuda else None
+        if self.trace_dir:
+            # torch's documented way to see what holds GPU memory ("Understanding CUDA Memory Usage")
+            torch.cuda.memory._record_memory_history(max_entries=1_000_000, device=device)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -96,6 +110,8 @@ class PhaseMemory:
         """Gather every rank's phases; the main process writes RUN_DIR/memory.json and returns it."""
         import torch.distributed as dist
 
+        if self.trace_dir:
+            self._write_trace(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
         mine = {"device": str(self.device), "phases": self.phases}
         ranks = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -108,6 +124,51 @@ class PhaseMemory:
 
         write_text(run_dir / "memory.json", json.dumps(out, indent=1) + "\n")
         return out
+
+
+    def _write_trace(self, rank: int) -> None:
+        snap = torch.cuda.memory._snapshot(self.device)
+        torch.cuda.memory._record_memory_history(enabled=None, device=self.device)
+        trace = snap["device_traces"][self.device.index or 0]
+        out = Path(self.trace_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"memory_trace_rank{rank}.json").write_text(json.dumps(peak_sites(trace), indent=1) + "\n")
+
+
+def _site(frames: list[dict]) -> str:
+    """Where an allocation was made: the innermost frame in finetune or an allocating library, with the
+    innermost frame of all (the operator) beside it."""
+    op = f"{frames[0].get('name')}" if frames else "?"
+    for f in frames:
+        if any(p in f.get("filename", "") for p in SITE_PACKAGES):
+            name = f["filename"]
+            tail = name.split("/site-packages/")[-1] if "/site-packages/" in name else \
+                "finetune/" + name.split("/finetune/", 1)[-1] if "/finetune/" in name else name
+            return f"{tail}:{f.get('line')} {f.get('name')} [{op}]"
+    return f"(no library frame) [{op}]"
+
+
+def peak_sites(trace: list[dict], top: int = 15) -> dict:
+    """Replay an allocator trace (torch's TraceEntry list): the peak of live bytes, and the allocations alive
+    at that moment summed by `_site`, largest first."""
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for e in trace:
+        action = e.get("action")
+        if action == "alloc":
+            live[e["addr"]] = (e["size"], _site(e.get("frames") or []))
+            total += e["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action == "free_completed" and e.get("addr") in live:
+            total -= live.pop(e["addr"])[0]
+    sites: dict[str, int] = {}
+    for size, site in at_peak.values():
+        sites[site] = sites.get(site, 0) + size
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1])[:top]
+    return {"peak_bytes_traced": peak, "entries": len(trace),
+            "sites": [{"site": k, "bytes": v, "gib": round(v / 2**30, 3)} for k, v in ranked]}
 
 
 def table(memory: dict) -> str:

@@ -1,0 +1,97 @@
+"""The GPU proof's dry run (`python -m benchmarks.gpu_proof --dry-run`): every stage on tiny shapes on the CPU,
+the files it writes, and a short deadline that skips stages cleanly. Also the bitsandbytes-1945 check
+(benchmarks/bytecheck.py) over gloo with 2 processes on weights whose packed bytes are mostly bf16 NaNs."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = [pytest.mark.slow]
+
+
+def proof(out: Path, work: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_proof", "--dry-run", "--out-dir", str(out),
+                           "--work", str(work), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
+    p = proof(tmp_path / "out", tmp_path / "work", "--deadline", "1200", timeout=1500)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    files = sorted(f.name for f in (tmp_path / "out").iterdir())
+    assert len(files) <= 8 and {"results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log"} <= set(files)
+    res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
+    assert [n for n, r in res.items() if r["status"] == "ok"] == list(res), res
+    assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16", "fsdp2_trace"}
+    single = res["single"]["result"]
+    assert single["trained_tokens_per_s"] > 0 and single["last_loss"] > 0
+    assert {"load", "wrap", "steps", "save", "export"} <= set(single["memory"]["phases"])
+    for v in (1, 2):
+        f = res[f"fsdp{v}"]["result"]
+        assert f["resume"]["ok"] and f["resume"]["steps_after_resume"] == [5, 6], f["resume"]
+        assert f["eval"]["eval_rows"] > 0 and f["generate"]["ok"]
+    check = res["fsdp2"]["result"]["bytecheck"]
+    assert check["ok"] and check["weights_checked"] > 0 and check["logits_max_abs_diff"] == 0.0
+    assert res["fp16"]["result"]["stopped_line"] and res["fp16"]["result"]["losses_finite"]
+    assert res["trl"]["result"]["finetune_over_trl"]["tokens_per_s"] > 0
+    md = (tmp_path / "out" / "RESULTS_GPU.md").read_text()
+    assert "dry run" in md and "## fsdp2" in md and "packed-byte check" in md
+
+
+def test_a_short_deadline_skips_stages_and_still_writes_the_summary(tmp_path):
+    p = proof(tmp_path / "out", tmp_path / "work", "--deadline", "60", timeout=400)
+    assert p.returncode == 1  # not every stage ran
+    res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
+    assert len(res) == 9
+    skipped = [n for n, r in res.items() if r["status"] == "skipped"]
+    assert skipped and all("left of the deadline" in res[n]["why"] for n in skipped)
+    assert res["env"]["status"] == "ok"
+    assert "stage     status" in p.stdout and "skipped" in (tmp_path / "out" / "RESULTS_GPU.md").read_text()
+
+
+def _nan_heavy_checkpoint(dst: Path) -> Path:
+    """The tiny Llama with every linear weight rewritten so that its packed NF4 bytes are mostly bf16 NaNs:
+    in each 64-value block, every other group of 4 values equals the block's largest magnitude (code 15),
+    so those groups pack to 0xFF 0xFF, a bf16 NaN."""
+    from safetensors.torch import load_file, save_file
+
+    from finetune.util import builtin
+
+    shutil.copytree(builtin.model_dir(), dst)
+    for f in dst.glob("*.safetensors"):
+        tensors = load_file(f)
+        for k, t in tensors.items():
+            if t.dim() == 2 and "proj" in k and t.numel() % 64 == 0:
+                blocks = t.float().reshape(-1, 16, 4).clone()  # 64 values = 16 groups of 4
+                top = blocks.abs().amax(dim=(1, 2), keepdim=True) + 0.01
+                blocks[:, ::2, :] = top.expand(-1, 8, 4)
+                tensors[k] = blocks.reshape(t.shape).to(t.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.distributed
+def test_fsdp2_keeps_packed_bytes_bit_for_bit_when_most_read_as_bf16_nans(tmp_path):
+    model = _nan_heavy_checkpoint(tmp_path / "model")
+    rec = {"model": {"name": str(model), "dtype": "bfloat16", "gradient_checkpointing": False},
+           "quantization": {"mode": "nf4"}, "data": {"sources": [{"path": "builtin:tiny-instruct"}], "max_seq_len": 64},
+           "distributed": {"strategy": "fsdp", "backend": "gloo", "num_processes": 2},
+           "fsdp": {"version": 2},
+           "train": {"micro_batch_size": 4, "max_steps": 2, "warmup_steps": 1}, "output": {"dir": str(tmp_path / "run")}}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(rec))
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+                        "-m", "benchmarks.bytecheck", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
+    assert res["world"] == 2 and res["storage"] == "bfloat16"
+    assert res["nan_patterns_in_packed"] > 0.2 * res["packed_elements"], res  # the case 1945 is about, in bulk
+    assert res["ok"] and res["n_shard_mismatches"] == 0 and res["n_gathered_mismatches"] == 0
+    assert res["logits_max_abs_diff"] == 0.0
