@@ -95,7 +95,8 @@ def finetune(*args: str) -> list[str]:
 
 
 def torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port", "29517",
+    # --standalone: a free port of its own, so stages (or two proofs on one machine) never collide
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
             "-m", "finetune", *args]
 
 
@@ -319,8 +320,9 @@ def stage_fsdp(work: Path, sh_: dict, version: int) -> dict:
     res["generate"] = {"ok": True, "output_tail": p.stdout.strip()[-200:]}
     res["attention_line"] = [ln for ln in text.splitlines() if "attention" in ln.lower()][:2]
     if version == 2:
-        p = must(sh([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
-                     "29518", "-m", "benchmarks.bytecheck", str(work / f"{name}.yaml")], log=log), "bytecheck")
+        check = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                 "-m", "benchmarks.bytecheck", str(work / f"{name}.yaml")]
+        p = must(sh(check, log=log), "bytecheck")
         res["bytecheck"] = last_json_line(p.stdout)
     return res
 

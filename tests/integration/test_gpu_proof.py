@@ -87,7 +87,7 @@ def test_fsdp2_keeps_packed_bytes_bit_for_bit_when_most_read_as_bf16_nans(tmp_pa
            "train": {"micro_batch_size": 4, "max_steps": 2, "warmup_steps": 1}, "output": {"dir": str(tmp_path / "run")}}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(rec))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                         "-m", "benchmarks.bytecheck", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
