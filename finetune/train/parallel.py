@@ -118,7 +118,7 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
     autocast from `train.mixed_precision`. Its gradient_accumulation_steps stays 1: the loop owns
     accumulation and normalises the loss by the step's tokens itself, and Accelerate would divide every
     `accelerator.backward` by the accumulation steps once more. `trackers`: log_with and project_config
-    (train.trackers.accelerator_kwargs).
+    (train.keepers.trackers.accelerator_kwargs).
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, InitProcessGroupKwargs

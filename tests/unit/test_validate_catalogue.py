@@ -110,7 +110,7 @@ CASES = [
     ("70b_on_one_24gb_gpu", BASE, {"model": {"name": "meta-llama/Llama-3.1-70B-Instruct"}},
      ["--gpu-memory", "24GiB"], {}, "train.micro_batch_size", "error"),
     # (No "fits training but not loading" case for one process: measured on an H200, a whole load peaks at the
-    # weights it keeps (benchmarks/RESULTS_GPU.md), which training holds too; plan/load.py follows.)
+    # weights it keeps (benchmarks/RESULTS_GPU.md), which training holds too; plan/loading.py follows.)
     # --- hardware this machine lacks (CI has no GPU; on a GPU machine these are not problems)
     ("flash_attention_on_cpu", BASE, {"model": {"name": LLAMA8, "attn_implementation": "flash_attention_2"}}, [], {},
      "model.attn_implementation", "warning"),

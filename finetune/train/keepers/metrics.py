@@ -16,7 +16,7 @@ from finetune.util.redact import redact
 class Metrics:
     def __init__(self, run_dir: Path, total_steps: int, start_step: int, progress_bar: bool, trackers=None):
         self.main = is_main()
-        self.trackers = trackers  # train.trackers.Trackers: the same records, at the same steps
+        self.trackers = trackers  # keepers.trackers.Trackers: the same records, at the same steps
         self.path = Path(run_dir) / "metrics.jsonl"
         self.bar = None
         if self.main:
