@@ -31,6 +31,8 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     assert [n for n, r in res.items() if r["status"] == "ok"] == list(res), res
     assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16", "fsdp2_trace"}
     single = res["single"]["result"]
+    plan = json.loads((tmp_path / "work" / "single" / "memory.json").read_text())["plan"]
+    assert plan["steps"] > 0 and plan["load"] > 0  # the planner beside the measured phases
     assert single["trained_tokens_per_s"] > 0 and single["last_loss"] > 0
     assert {"load", "wrap", "steps", "save", "export"} <= set(single["memory"]["phases"])
     for v in (1, 2):

@@ -1,5 +1,6 @@
-"""finetune.train.keepers.memory.peak_sites: the replay of torch's allocator trace that names what is alive at a peak
-(the trace itself is recorded only on CUDA; its format is torch's TraceEntry list)."""
+"""finetune.train.keepers.memory: `peak_sites` (the replay of torch's allocator trace that names what is alive
+at a peak; the trace itself is recorded only on CUDA, in torch's TraceEntry format) and the end-of-run table
+with the planner's figures beside the measured phases."""
 from finetune.train.keepers.memory import peak_sites
 
 
@@ -27,3 +28,32 @@ def test_the_sites_alive_at_the_peak_are_summed_and_ranked():
     assert sites == {"torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py:40 all_gather [__call__]": 100,
                      "finetune/train/loss.py:170 forward [linear]": 80, "(no library frame) [?]": 10}
     assert [s["bytes"] for s in out["sites"]] == [100, 80, 10]
+
+
+def test_the_end_of_run_table_puts_the_plan_beside_the_phases_it_plans():
+    from finetune import recipe as recipe_mod
+    from finetune.train.keepers.memory import planned, table
+
+    rec = recipe_mod.load("recipes/llama3_8b_qlora.yaml")
+    gpu = planned(rec, world=1, cuda=True)
+    assert 4 * 2**30 < gpu["load"] < gpu["steps"] < gpu["steps_reserved"] < 10 * 2**30
+    cpu = planned(rec, world=1, cuda=False)
+    assert set(cpu) == {"load", "steps", "save"} and all(v > 0 for v in cpu.values())
+    gib = 2**30
+    memory = {"kind": "cuda", "plan": gpu, "ranks": [
+        {"phases": {"load": {"peak_allocated": 5 * gib, "peak_reserved": 5 * gib},
+                    "steps": {"peak_allocated": 7 * gib, "peak_reserved": 8 * gib},
+                    "save": {"peak_allocated": 5 * gib, "peak_reserved": 8 * gib}}}]}
+    rows = {line.split()[0]: line for line in table(memory).splitlines()[1:]}
+    assert rows["steps"].endswith(f"{gpu['steps'] / gib:.2f} GiB") and rows["steps"].count("GiB") == 3
+    assert rows["save"].count("GiB") == 2  # no GPU plan for the save phase
+
+
+def test_a_model_the_planner_does_not_know_has_no_plan_and_the_builtin_has_one():
+    from finetune import recipe as recipe_mod
+    from finetune.train.keepers.memory import planned
+
+    unknown = recipe_mod.from_dict({"model": {"name": "acme/unknown-model-7b"}})
+    assert planned(unknown, world=1, cuda=False) is None  # no shapes: the table shows the measured figures alone
+    tiny = recipe_mod.from_dict({"model": {"name": "builtin:tiny-llama"}})
+    assert planned(tiny, world=1, cuda=False) is not None  # planned from its config

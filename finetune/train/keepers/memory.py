@@ -106,8 +106,9 @@ class PhaseMemory:
         old["seconds"] += seconds
         old["entries"] += 1
 
-    def write(self, run_dir: Path, acc) -> dict | None:
-        """Gather every rank's phases; the main process writes RUN_DIR/memory.json and returns it."""
+    def write(self, run_dir: Path, acc, plan: dict | None = None) -> dict | None:
+        """Gather every rank's phases; the main process writes RUN_DIR/memory.json (with `plan`, the planner's
+        figures for the same phases: `planned`) and returns it."""
         import torch.distributed as dist
 
         if self.trace_dir:
@@ -119,7 +120,7 @@ class PhaseMemory:
             dist.all_gather_object(ranks, mine)
         if not acc.is_main_process:
             return None
-        out = {"kind": "cuda" if self.cuda else "cpu_rss", "ranks": ranks}
+        out = {"kind": "cuda" if self.cuda else "cpu_rss", "ranks": ranks, "plan": plan}
         from finetune.util.atomic import write_text
 
         write_text(run_dir / "memory.json", json.dumps(out, indent=1) + "\n")
@@ -171,22 +172,45 @@ def peak_sites(trace: list[dict], top: int = 15) -> dict:
             "sites": [{"site": k, "bytes": v, "gib": round(v / 2**30, 3)} for k, v in ranked]}
 
 
+def planned(recipe, world: int, cuda: bool) -> dict | None:
+    """`finetune estimate`'s figures for the phases it plans, per process, in bytes, for this run as launched:
+    on a GPU what torch counts (the CUDA context and NCCL buffers left out): the load, and the steps' peak
+    allocated and reserved; on CPU the machine's planned RAM shared by its processes (load, steps, save).
+    None when the planner does not know the model's shapes."""
+    import dataclasses
+
+    from finetune.plan.estimate import build, from_recipe
+    from finetune.util.errors import RecipeError
+
+    try:
+        s = dataclasses.replace(from_recipe(recipe), gpus=world, device="cuda" if cuda else "cpu")
+        p = build(s)
+    except (RecipeError, KeyError, ValueError):
+        return None
+    if cuda:
+        outside = sum(p.overhead.get(k, 0) for k in ("cuda_context", "nccl"))
+        return {"load": p.load_gpu - outside, "steps": p.allocated, "steps_reserved": p.reserved}
+    per = s.per_machine
+    return {"load": p.cpu["loading"] // per, "steps": p.cpu["training"] // per, "save": p.cpu["saving"] // per}
+
+
 def table(memory: dict) -> str:
-    """The end-of-run summary: one line per phase, the largest rank's figures, in GiB."""
+    """The end-of-run summary: one line per phase, the largest rank's figures in GiB, and the planner's
+    figure for the phases it plans (GPU: the load against peak reserved, the steps against peak allocated)."""
     gib = 2**30
-    lines = []
     cuda = memory["kind"] == "cuda"
-    head = "phase    peak allocated   peak reserved" if cuda else "phase    peak RSS"
-    lines.append(head)
+    plan = memory.get("plan") or {}
+    lines = ["phase    peak allocated   peak reserved   plan" if cuda else "phase    peak RSS        plan"]
     for name in PHASES:
         per_rank = [r["phases"][name] for r in memory["ranks"] if name in r["phases"]]
         if not per_rank:
             continue
+        planned_here = f"{plan[name] / gib:>8.2f} GiB" if name in plan else ""
         if cuda:
             a = max(p["peak_allocated"] for p in per_rank) / gib
             r = max(p["peak_reserved"] for p in per_rank) / gib
-            lines.append(f"{name:<8} {a:>10.2f} GiB  {r:>10.2f} GiB")
+            lines.append(f"{name:<8} {a:>10.2f} GiB  {r:>10.2f} GiB  {planned_here}".rstrip())
         else:
             v = max((p["peak_rss"] or 0) for p in per_rank) / gib
-            lines.append(f"{name:<8} {v:>10.2f} GiB")
+            lines.append(f"{name:<8} {v:>10.2f} GiB  {planned_here}".rstrip())
     return "\n".join(lines)
