@@ -66,9 +66,11 @@ def main(argv: list[str]) -> int:
     acc = make_accelerator(rec.distributed, rec.fsdp, rec.train, rec.model.dtype)
     rank, world = acc.process_index, acc.num_processes
     whole = apply_lora(load_model(rec.model, rec.quantization, Placement(device=acc.device)), rec.lora, seed=1)
-    ref = {k: as_bytes(v) for k, v in packed_params(whole).items()}
-    nan_count = sum(nan_patterns(v) for v in packed_params(whole).values())
-    elements = sum(v.numel() for v in packed_params(whole).values())
+    packed = packed_params(whole)
+    ref = {k: as_bytes(v) for k, v in packed.items()}
+    nan_count = sum(nan_patterns(v) for v in packed.values())
+    elements = sum(v.numel() for v in packed.values())
+    del packed
     ids = torch.randint(0, whole.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)).to(acc.device)
     whole.eval()
     want = logits(whole, ids, acc)

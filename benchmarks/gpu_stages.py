@@ -42,8 +42,9 @@ def shapes(dry: bool) -> dict:
             "seq": 2048, "warmup": 4, "steps": 8, "device": "cuda"}
 
 
-def recipe(model: str, seq: int, steps: int, out: Path, **sections) -> dict:
-    """The 8B recipe's settings (recipes/llama3_8b_qlora.yaml) on synthetic tokens of exactly `seq` ids."""
+def recipe(model: str, seq: int, steps: int, out: Path, held_out: bool = True, **sections) -> dict:
+    """The 8B recipe's settings (recipes/llama3_8b_qlora.yaml) on synthetic tokens of exactly `seq` ids;
+    without `held_out`, no eval rows at all (a run whose phases are load, wrap, steps, save, export)."""
     import yaml
 
     rec = yaml.safe_load((ROOT / "recipes" / "llama3_8b_qlora.yaml").read_text())
@@ -51,8 +52,10 @@ def recipe(model: str, seq: int, steps: int, out: Path, **sections) -> dict:
     rows = 2 * steps + 8
     rec["data"] = {"sources": [{"path": f"synthetic:tokens?rows={rows}&min_len={seq}&max_len={seq}"}],
                    "eval_sources": [{"path": f"synthetic:tokens?rows=4&min_len={seq}&max_len={seq}",
-                                     "split": "eval"}],
+                                     "split": "eval"}] if held_out else [],
                    "max_seq_len": seq}
+    if not held_out:
+        rec["data"]["eval_split"] = 0
     rec["train"].update({"gradient_accumulation_steps": 1, "max_steps": steps, "warmup_steps": 1,
                          "log_every": 1, "save_every": None, "eval_every": None, "epochs": 1})
     rec["output"] = {"dir": str(out), "progress_bar": False}
@@ -236,9 +239,7 @@ def stage_single(work: Path, sh_: dict) -> dict:
     from finetune.plan.archs import resolve
 
     steps = sh_["warmup"] + sh_["steps"]
-    rec = recipe(sh_["m8"], sh_["seq"], steps, work / "single")
-    rec["data"]["eval_sources"] = []  # the timed run holds no eval: its phases are load, wrap, steps, save
-    rec["data"]["eval_split"] = 0
+    rec = recipe(sh_["m8"], sh_["seq"], steps, work / "single", held_out=False)  # no eval in the timed run
     res = _train_and_read(rec, work, "single", sh_)
     plan = estimate(work / "single.yaml", work / "commands.log")
     arch, _ = resolve(sh_["m8"])
@@ -334,9 +335,7 @@ def stage_load70b(work: Path, sh_: dict) -> dict:
     t0 = time.perf_counter()
     synthetic_dir(sh_["m70"])  # built first, in this process: the run's load phase then holds the load alone
     built = round(time.perf_counter() - t0, 1)
-    rec = recipe(sh_["m70"], min(sh_["seq"], 512), 2, work / "load70b")
-    rec["data"]["eval_sources"] = []
-    rec["data"]["eval_split"] = 0
+    rec = recipe(sh_["m70"], min(sh_["seq"], 512), 2, work / "load70b", held_out=False)
     res = _train_and_read(rec, work, "load70b", {**sh_, "warmup": 1})
     res["build_seconds"] = built
     plan = estimate(work / "load70b.yaml", work / "commands.log")
@@ -396,10 +395,8 @@ def stage_fp16(work: Path, sh_: dict) -> dict:
 def stage_fsdp2_trace(work: Path, sh_: dict) -> dict:
     """Where FSDP2's step peak comes from: the fsdp2 stage's model and batch for 2 steps, with torch's allocator
     trace (FINETUNE_MEMORY_TRACE, GPU only): the allocations alive at the peak, by the line that made them."""
-    rec = recipe(sh_["m8_short"], sh_["seq"], 2, work / "fsdp2_trace",
+    rec = recipe(sh_["m8_short"], sh_["seq"], 2, work / "fsdp2_trace", held_out=False,
                  distributed={"strategy": "fsdp", "num_processes": 1}, fsdp={"version": 2})
-    rec["data"]["eval_sources"] = []
-    rec["data"]["eval_split"] = 0
     path = write_recipe(rec, work / "fsdp2_trace.yaml")
     trace = work / "trace"
     must(sh(torchrun(str(path)), log=work / "commands.log", env_extra={"FINETUNE_MEMORY_TRACE": str(trace)}),

@@ -33,7 +33,6 @@ from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
 from finetune.train.lora import apply_lora, enable_checkpointing, trainable_report
 from finetune.train.loss import loss_totals, setup_forward
 from finetune.train.keepers.memory import PhaseMemory
-from finetune.train.keepers.memory import planned
 from finetune.train.keepers.memory import table as memory_table
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
@@ -143,7 +142,7 @@ def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
             with mem.phase("save"):
                 stop_now(run, stop)
             run.metrics.close()
-            mem.write(run_dir, run.acc, planned(run.recipe, run.acc.num_processes, mem.cuda))
+            mem.write(run_dir, run.acc, run.recipe)
             return {"step": run.step, "stopped": True, **last}
         loss, grad_norm, step_tokens = out
         rate.add(step_tokens)
@@ -165,7 +164,7 @@ def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
             stopped = save_or_stop(run, stop)
         if stopped:
             run.metrics.close()
-            mem.write(run_dir, run.acc, planned(run.recipe, run.acc.num_processes, mem.cuda))
+            mem.write(run_dir, run.acc, run.recipe)
             return {"step": run.step, "stopped": True, **last}
     return finish(run, last, return_model)
 
@@ -182,7 +181,7 @@ def finish(run: Run, last: dict, return_model: bool) -> dict:
     with mem.phase("export"):
         export_adapter(run)
     run.metrics.close()
-    memory = mem.write(run.run_dir, run.acc, planned(run.recipe, run.acc.num_processes, mem.cuda))
+    memory = mem.write(run.run_dir, run.acc, run.recipe)
     if memory is not None:
         log.info("memory per phase (largest rank; RUN_DIR/memory.json):\n" + memory_table(memory))
     run.acc.wait_for_everyone()

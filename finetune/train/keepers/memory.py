@@ -73,7 +73,8 @@ class PhaseMemory:
     @contextlib.contextmanager
     def phase(self, name: str):
         if self.cuda:
-            torch.cuda.synchronize(self.device)
+            # The caching allocator counts on the host, as each kernel is queued: no synchronization (the
+            # steps phase is entered every optimizer step, which reads the device once, at its end).
             torch.cuda.reset_peak_memory_stats(self.device)
             reset = True
         else:
@@ -86,7 +87,6 @@ class PhaseMemory:
 
     def _record(self, name: str, reset: bool, seconds: float) -> None:
         if self.cuda:
-            torch.cuda.synchronize(self.device)
             now = {"peak_allocated": torch.cuda.max_memory_allocated(self.device),
                    "peak_reserved": torch.cuda.max_memory_reserved(self.device),
                    "allocated_after": torch.cuda.memory_allocated(self.device)}
@@ -106,9 +106,9 @@ class PhaseMemory:
         old["seconds"] += seconds
         old["entries"] += 1
 
-    def write(self, run_dir: Path, acc, plan: dict | None = None) -> dict | None:
-        """Gather every rank's phases; the main process writes RUN_DIR/memory.json (with `plan`, the planner's
-        figures for the same phases: `planned`) and returns it."""
+    def write(self, run_dir: Path, acc, recipe) -> dict | None:
+        """Gather every rank's phases; the main process writes RUN_DIR/memory.json, with the planner's figures
+        for the same phases (`planned`), and returns it."""
         import torch.distributed as dist
 
         if self.trace_dir:
@@ -120,6 +120,7 @@ class PhaseMemory:
             dist.all_gather_object(ranks, mine)
         if not acc.is_main_process:
             return None
+        plan = planned(recipe, acc.num_processes, self.cuda)
         out = {"kind": "cuda" if self.cuda else "cpu_rss", "ranks": ranks, "plan": plan}
         from finetune.util.atomic import write_text
 
