@@ -37,6 +37,7 @@ STAGES = [
     ("trl", "TRL SFTTrainer on the same 8B model and batch: ratios", 120, 90, 300),
     ("fp16", "fp16 with loss scaling, a stop between micro-batches", 60, 60, 180),
     ("fsdp2_trace", "FSDP2 world 1, 2 steps under torch's allocator trace: what is alive at the peak", 60, 40, 180),
+    ("syncs", "host synchronisations per optimizer step (4 micro-batches), one process and FSDP2", 70, 60, 200),
 ]
 FILES = ("results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log")
 

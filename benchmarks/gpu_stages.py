@@ -406,9 +406,30 @@ def stage_fsdp2_trace(work: Path, sh_: dict) -> dict:
             "trace": json.loads(f.read_text()) if f.exists() else "no trace (recorded on CUDA only)"}
 
 
+def stage_syncs(work: Path, sh_: dict) -> dict:
+    """Host synchronisations per optimizer step (benchmarks/syncs.py) at 4 micro-batches a step: one
+    process, and FSDP2 at world size 1 through torchrun. The loop's contract: at most one per step."""
+    out = {}
+    seq = min(sh_["seq"], 512)
+    for name, sections, launch in (
+            ("syncs_single", {}, [sys.executable, "-m", "benchmarks.syncs"]),
+            ("syncs_fsdp2", {"distributed": {"strategy": "fsdp", "num_processes": 1}, "fsdp": {"version": 2}},
+             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+              "-m", "benchmarks.syncs"])):
+        rec = recipe(sh_["m8_short"], seq, 4, work / name, held_out=False, **sections)
+        rec["train"]["gradient_accumulation_steps"] = 4
+        rec["data"]["sources"] = [{"path": f"synthetic:tokens?rows=40&min_len={seq}&max_len={seq}"}]
+        path = write_recipe(rec, work / f"{name}.yaml")
+        res_file = work / f"{name}.json"
+        must(sh([*launch, str(path), str(res_file)], log=work / "commands.log"), name)
+        out[name] = json.loads(res_file.read_text())
+    return out
+
+
 STAGES = {"env": stage_env, "models": stage_models, "single": stage_single,
           "fsdp2": lambda w, s: stage_fsdp(w, s, 2), "fsdp1": lambda w, s: stage_fsdp(w, s, 1),
-          "load70b": stage_load70b, "trl": stage_trl, "fp16": stage_fp16, "fsdp2_trace": stage_fsdp2_trace}
+          "load70b": stage_load70b, "trl": stage_trl, "fp16": stage_fp16, "fsdp2_trace": stage_fsdp2_trace,
+          "syncs": stage_syncs}
 
 
 def main(argv: list[str] | None = None) -> int:

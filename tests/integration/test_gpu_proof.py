@@ -29,7 +29,7 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     assert len(files) <= 8 and {"results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log"} <= set(files)
     res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
     assert [n for n, r in res.items() if r["status"] == "ok"] == list(res), res
-    assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16", "fsdp2_trace"}
+    assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16", "fsdp2_trace", "syncs"}
     single = res["single"]["result"]
     plan = json.loads((tmp_path / "work" / "single" / "memory.json").read_text())["plan"]
     assert plan["steps"] > 0 and plan["load"] > 0  # the planner beside the measured phases
@@ -43,6 +43,10 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     assert check["ok"] and check["weights_checked"] > 0 and check["logits_max_abs_diff"] == 0.0
     assert res["fp16"]["result"]["stopped_line"] and res["fp16"]["result"]["losses_finite"]
     assert res["trl"]["result"]["finetune_over_trl"]["tokens_per_s"] > 0
+    for run in ("syncs_single", "syncs_fsdp2"):  # CPU: the run goes through and says it could not count
+        sy = res["syncs"]["result"][run]
+        assert sy["exit"] == 0 and sy["optimizer_steps"] == 4 and sy["micro_batches_per_step"] == 4, sy
+        assert sy["measurable"] is False and sy["syncs_per_optimizer_step"] is None
     md = (tmp_path / "out" / "RESULTS_GPU.md").read_text()
     assert "dry run" in md and "## fsdp2" in md and "packed-byte check" in md
 
@@ -51,7 +55,7 @@ def test_a_short_deadline_skips_stages_and_still_writes_the_summary(tmp_path):
     p = proof(tmp_path / "out", tmp_path / "work", "--deadline", "60", timeout=400)
     assert p.returncode == 1  # not every stage ran
     res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
-    assert len(res) == 9
+    assert len(res) == 10
     skipped = [n for n, r in res.items() if r["status"] == "skipped"]
     assert skipped and all("left of the deadline" in res[n]["why"] for n in skipped)
     assert res["env"]["status"] == "ok"
