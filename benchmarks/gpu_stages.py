@@ -423,6 +423,16 @@ def stage_syncs(work: Path, sh_: dict) -> dict:
         res_file = work / f"{name}.json"
         must(sh([*launch, str(path), str(res_file)], log=work / "commands.log"), name)
         out[name] = json.loads(res_file.read_text())
+    # Which operation of a backward waits (torch reports autograd's waits without their lines): one run
+    # stopped at its 6th backward, under the debug mode's error setting and anomaly mode.
+    res_file = work / "syncs_probe.json"
+    rec = recipe(sh_["m8_short"], seq, 4, work / "syncs_probe", held_out=False)
+    rec["train"]["gradient_accumulation_steps"] = 4
+    rec["data"]["sources"] = [{"path": f"synthetic:tokens?rows=40&min_len={seq}&max_len={seq}"}]
+    path = write_recipe(rec, work / "syncs_probe.yaml")
+    must(sh([sys.executable, "-m", "benchmarks.syncs", str(path), str(res_file), "--probe-backward"],
+            log=work / "commands.log"), "syncs probe")
+    out["probe"] = json.loads(res_file.read_text()).get("backward_probe")
     return out
 
 

@@ -1,6 +1,6 @@
 """Count a training run's host synchronisations on a GPU, by the line of finetune that caused each.
 
-    python -m benchmarks.syncs RECIPE OUT.json        (or under torchrun: one OUT per rank, rank suffixed)
+    python -m benchmarks.syncs RECIPE OUT.json [--probe-backward]   (under torchrun: one OUT per rank)
 
 The run is `python -m finetune RECIPE`, in this process, with torch's CUDA sync debug mode set to warn:
 torch then warns at every operation that makes the host wait for the GPU (`.item()`, `.tolist()`, a copy to
@@ -27,16 +27,20 @@ from benchmarks.common import ROOT, read_jsonl
 PACKAGE = str(ROOT / "finetune")
 
 
-def where(stack: list) -> tuple[str, bool]:
-    """(innermost finetune frame as 'path:line function', whether it is part of a training step: the
-    optimizer step with its micro-batches, or the loop's per-step work around it, not the final export)."""
+def where(stack: list) -> tuple[str, str, bool]:
+    """(innermost finetune frame as 'path:line function', the innermost frame of all (a library's, when
+    the wait is inside one), whether it is part of an optimizer step: its micro-batches, the clip and the
+    update, not the loop's logging, checkpoints, eval or export)."""
     site, names = "outside finetune", []
     for fr in stack:
         if fr.filename.startswith(PACKAGE):
             site = f"{os.path.relpath(fr.filename, ROOT)}:{fr.lineno} {fr.name}"
             names.append(fr.name)
-    in_steps = "steps" in names and "finish" not in names
-    return site, in_steps
+    last = stack[-1] if stack else None
+    inner = None  # None: the wait is finetune's own line
+    if last is not None and not last.filename.startswith(PACKAGE):
+        inner = f"{'/'.join(Path(last.filename).parts[-2:])}:{last.lineno} {last.name}"
+    return site, inner, "optimizer_step" in names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,23 +50,40 @@ def main(argv: list[str] | None = None) -> int:
 
     from finetune import cli
 
+    probe = "--probe-backward" in argv
     measurable = torch.cuda.is_available()
     sites: Counter = Counter()
     in_steps = Counter()
+    per_step = [0]  # waits inside each optimizer step, the step's closing read included
+    probed: list = []
 
     def record(message, category, filename, lineno, file=None, line=None):
-        if "synchronizing CUDA operation" not in str(message):
+        text = str(message)
+        if "Error detected in" in text or "Traceback of forward call" in text:  # anomaly mode's report
+            probed.append(text[-4000:])
+        if "synchronizing CUDA operation" not in text:
             return shown(message, category, filename, lineno, file, line)
-        site, steps = where(traceback.extract_stack()[:-1])
-        (in_steps if steps else sites)[site] += 1
+        site, inner, steps = where(traceback.extract_stack()[:-1])
+        if steps:
+            key = site if inner is None else f"{site} via {inner}"
+            in_steps[key] += 1
+            per_step[-1] += 1
+            if site.endswith(" read_step_values"):  # the step's one read: the next wait is the next step's
+                per_step.append(0)
+        else:
+            sites[site] += 1
 
     shown = warnings.showwarning
     warnings.showwarning = record
     warnings.filterwarnings("always", message=".*synchronizing CUDA operation")
     if measurable:
         torch.cuda.set_sync_debug_mode("warn")
+    if probe and measurable:
+        probe_backward(probed)
     try:
         code = cli.main([recipe])
+    except SystemExit as e:  # the backward probe ends the run
+        code = e.code
     finally:
         if measurable:
             torch.cuda.set_sync_debug_mode("default")
@@ -71,18 +92,53 @@ def main(argv: list[str] | None = None) -> int:
 
     rec = yaml.safe_load(Path(recipe).read_text())
     run_dir = Path(rec["output"]["dir"])
-    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    metrics = run_dir / "metrics.jsonl"
+    steps = [r["step"] for r in read_jsonl(metrics) if "loss" in r] if metrics.exists() else []
     accum = rec["train"].get("gradient_accumulation_steps", 1)
     total = sum(in_steps.values())
+    counted = per_step[:-1] if per_step and per_step[-1] == 0 else per_step
     res = {"exit": code, "measurable": measurable, "optimizer_steps": len(steps), "micro_batches_per_step": accum,
            "syncs_in_steps": total if measurable else None,
            "syncs_per_optimizer_step": round(total / len(steps), 2) if measurable and steps else None,
+           # the first step also makes the optimizer's state: the steady figure is the later steps'
+           "syncs_by_step": counted if measurable else None,
+           "steady_syncs_per_step": max(counted[1:]) if measurable and len(counted) > 1 else None,
            "in_steps_by_site": dict(in_steps.most_common()), "outside_steps_by_site": dict(sites.most_common(15))}
+    if probe:
+        res["backward_probe"] = (probed or "no wait in the probed backward") if measurable else None
     rank = os.environ.get("RANK")
     path = out if rank in (None, "0") else out.with_name(f"{out.stem}_rank{rank}{out.suffix}")
     path.write_text(json.dumps(res, indent=1))
     print(json.dumps(res), flush=True)
     return code
+
+
+def probe_backward(probed: list) -> None:
+    """Find which operation of a backward waits: torch replays the autograd threads' warnings on the caller
+    at the end of backward, without their stacks. For the 6th backward (the second step at 4 micro-batches)
+    the debug mode is set to raise, under anomaly mode, which reports the forward line that made the
+    failing backward node; the run then stops (this is a diagnosis run, not a measurement)."""
+    import torch
+    from accelerate import Accelerator
+
+    original, calls = Accelerator.backward, [0]
+
+    def backward(self, loss, **kwargs):
+        calls[0] += 1
+        if calls[0] != 6:
+            return original(self, loss, **kwargs)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.autograd.detect_anomaly(check_nan=False):
+                original(self, loss, **kwargs)
+            probed.append("the probed backward did not wait")
+        except RuntimeError as e:
+            probed.append(f"{type(e).__name__}: {e}"[:2000])
+        finally:
+            torch.cuda.set_sync_debug_mode("warn")
+        raise SystemExit(0)
+
+    Accelerator.backward = backward
 
 
 if __name__ == "__main__":

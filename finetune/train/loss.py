@@ -33,6 +33,27 @@ def setup_forward(model, activation_offloading: bool):
     return setup_offload(model, activation_offloading)
 
 
+BATCH_LOSS_KEYS = ("labels", "rows", "targets")
+
+
+def device_batch(batch: dict, device) -> dict:
+    """`batch` ready for `token_loss_sum` on `device`, with everything that depends on the labels' values
+    worked out on the host first, so that a training step never waits for the GPU (issue 30: one read per
+    optimizer step): `rows`, the flat indices of the positions whose next token is trained (position t of
+    row b is b * T + t), and `targets`, those next tokens. A boolean mask applied on the device would be a
+    wait (its result's size is data-dependent). An attention mask of all ones is dropped: transformers
+    would read it on the device to find it can skip it (one wait per forward); without it the model is
+    causal all the same. On a GPU the tensors go through pinned memory, asynchronously."""
+    labels = batch["labels"].cpu()  # already there for the loop's batches (built on the host)
+    trained = labels[:, 1:] != encode.IGNORE  # position t predicts token t + 1
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = trained
+    host = {k: v for k, v in batch.items()
+            if not (k == "attention_mask" and torch.is_tensor(v) and bool(v.cpu().all()))}
+    host.update(rows=keep.reshape(-1).nonzero().squeeze(1), targets=labels[:, 1:][trained])
+    return to_device(host, device) if device is not None else host
+
+
 def token_loss_sum(model, batch: dict, device_type: str, train_spec, offload=None) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over trained tokens, and their count.
 
@@ -44,20 +65,19 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec, offload=Non
     With `offload` (model.activation_offloading on CUDA: offload.setup_offload's context, made once at
     setup) the forward runs under it. Nothing here changes the model: the memory-lean modules are put in
     once, at setup (lean.apply). Callers run it, and its backward, inside `batch_kernels`."""
-    labels = batch["labels"]
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = labels[:, 1:] != encode.IGNORE  # position t predicts token t + 1
-    targets = labels[:, 1:][keep[:, :-1]]
+    if "targets" not in batch:  # a caller that did not use device_batch: the same result, worked out here
+        batch = device_batch(batch, batch["labels"].device)
+    rows, targets = batch["rows"], batch["targets"]
+    inputs = {k: v for k, v in batch.items() if k not in BATCH_LOSS_KEYS}
     base = unwrapped(model)
     offloading = offload() if offload is not None else contextlib.nullcontext()
     if chunkable(base):
-        with head_computes_loss(base, keep, targets, train_spec.loss_chunk_tokens) as called, \
+        with head_computes_loss(base, rows, targets, train_spec.loss_chunk_tokens) as called, \
                 autocast(train_spec, device_type), offloading:
             loss = model(**inputs, use_cache=False).logits  # the head returned the summed loss
         _check_head_called(base, called)
         return loss, targets.numel()
-    with trained_rows_only(model, keep), autocast(train_spec, device_type), offloading:
+    with trained_rows_only(model, rows), autocast(train_spec, device_type), offloading:
         logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
     if logits.dim() != 2 or logits.size(0) != targets.numel():
         _check_head_called(base, [])
@@ -101,9 +121,9 @@ def chunkable(base) -> bool:
 
 
 @contextlib.contextmanager
-def head_computes_loss(base, keep: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
+def head_computes_loss(base, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
     """While active, the model's output head returns the summed cross-entropy of the hidden states at
-    `keep` ([B, T] bool) against `targets` instead of logits, computed chunk by chunk.
+    the flat positions `rows` (device_batch's) against `targets` instead of logits, computed chunk by chunk.
 
     The head module is still *called* by the model's own forward (only its `forward` is swapped for the
     instance): FSDP's hooks around the root (or around the head, if it is wrapped alone) gather its weight
@@ -115,8 +135,8 @@ def head_computes_loss(base, keep: torch.Tensor, targets: torch.Tensor, chunk_to
 
     def forward(hidden):
         called.append(True)
-        rows = chunk_tokens or chunk_rows(head.out_features)
-        return chunked_head_loss(hidden[keep], head.weight, head.bias, targets, rows)
+        size = chunk_tokens or chunk_rows(head.out_features)
+        return chunked_head_loss(trained_rows(hidden, rows), head.weight, head.bias, targets, size)
 
     head.forward = forward
     try:
@@ -212,8 +232,7 @@ def loss_totals(model, batches, device_type: str, train_spec, max_batches=None, 
     for i, b in enumerate(batches):
         if max_batches and i >= max_batches:
             break
-        if device is not None:
-            b = to_device(b, device)
+        b = device_batch(b, device)
         with batch_kernels(b, device_type, train_spec):
             loss, n = token_loss_sum(model, b, device_type, train_spec)
         total, count = total + float(loss), count + n
@@ -221,8 +240,8 @@ def loss_totals(model, batches, device_type: str, train_spec, max_batches=None, 
 
 
 @contextlib.contextmanager
-def trained_rows_only(model, keep: torch.Tensor):
-    """While active, the model's output head sees only the hidden states at `keep` ([B, T] bool):
+def trained_rows_only(model, rows: torch.Tensor):
+    """While active, the model's output head sees only the hidden states at `rows` (device_batch's):
     [B, T, hidden] becomes [N, hidden] and the model returns logits [N, vocab].
 
     Why: in instruction data most positions are prompt or padding, and the logits are the largest
@@ -230,11 +249,17 @@ def trained_rows_only(model, keep: torch.Tensor):
     pre-hook on the head keeps this inside the model's own forward, so FSDP's hooks (which gather the
     head's weights) run exactly as they do without it."""
     head = unwrapped(model).get_output_embeddings()
-    handle = head.register_forward_pre_hook(lambda module, args: (args[0][keep], *args[1:]))
+    handle = head.register_forward_pre_hook(lambda module, args: (trained_rows(args[0], rows), *args[1:]))
     try:
         yield
     finally:
         handle.remove()
+
+
+def trained_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[B, T, h] hidden states -> [N, h] at the flat positions `rows` (device_batch's): an index gather,
+    which the GPU runs without telling the host a size."""
+    return hidden.reshape(-1, hidden.size(-1)).index_select(0, rows)
 
 
 def attention_kernels(device_type: str, mixed_precision: str, seq_len: int):

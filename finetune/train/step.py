@@ -13,8 +13,7 @@ import contextlib
 
 import torch
 
-from finetune.weights.device import to_device
-from finetune.train.loss import batch_kernels, token_loss_sum, trained_tokens
+from finetune.train.loss import batch_kernels, device_batch, token_loss_sum, trained_tokens
 from finetune.train.scaling import LossScaler
 
 
@@ -28,7 +27,7 @@ def next_micro_batches(run) -> tuple[list[dict], int]:
             run.batches = run.epoch_batches()
         batch = run.batches[run.cursor]
         tokens += trained_tokens(batch)
-        micro.append(to_device(batch, run.acc.device))
+        micro.append(device_batch(batch, run.acc.device))
         run.cursor += 1
     return micro, tokens
 

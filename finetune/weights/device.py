@@ -22,7 +22,14 @@ def model_device(model) -> torch.device:
 
 
 def to_device(batch: dict, device) -> dict:
-    """The batch's tensors on `device` (other values unchanged). The only place inputs are moved."""
+    """The batch's tensors on `device` (other values unchanged). The only place inputs are moved. To a GPU
+    they go through pinned host memory, asynchronously: a copy from pageable memory makes the host wait
+    for the GPU to reach it (measured: three waits per micro-batch on an H200); torch's pinned allocator
+    keeps the staging buffer until the copy has run."""
+    device = torch.device(device)
+    if device.type == "cuda":  # pinned memory is a CUDA driver allocation: no such thing without a GPU
+        return {k: v.pin_memory().to(device, non_blocking=True) if torch.is_tensor(v) and v.device.type == "cpu"
+                else v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 

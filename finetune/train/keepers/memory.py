@@ -64,6 +64,10 @@ class PhaseMemory:
 
         self.cuda = device.type == "cuda"
         self.device = device
+        if self.cuda:
+            # The allocator's statistics exist once CUDA is initialised; a one-process run measures its
+            # first phase before anything has touched the GPU ("Invalid device argument" on an H200).
+            torch.cuda.init()
         self.phases: dict[str, dict] = {}
         self.trace_dir = os.environ.get(TRACE_ENV) if self.cuda else None
         if self.trace_dir:
