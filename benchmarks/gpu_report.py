@@ -57,7 +57,7 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
         return rows
     if name == "models":
         return [f"- {k}: `{v['name']}`, {v['gib']} GiB, built in {v['seconds']} s" for k, v in r.items()]
-    if name == "single" or name.startswith("load70b"):
+    if name.startswith(("single", "load70b")):
         out = [f"- trained tokens/s {_f(r['trained_tokens_per_s'], 0)} (all tokens/s {_f(r.get('all_tokens_per_s'), 0)}), "
                f"{r['s_per_step']} s/step over {r['timed_steps']} timed steps; loss {r['first_loss']} -> {r['last_loss']}"]
         if "mfu_vs_datasheet" in r:
@@ -69,7 +69,7 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
                    f"{p.get('reserved_gib', 0):.2f} GiB, loading {p.get('loading_gib', 0):.2f} GiB; error vs measured "
                    f"(%): {r.get('errors_pct')}")
         return out + [""] + _mem_rows(r["memory"])
-    if name.startswith("fsdp") and name != "fsdp2_trace":
+    if name.startswith("fsdp") and not name.startswith("fsdp2_trace"):
         out = [f"- train: loss {r['train']['first_loss']} -> {r['train']['last_loss']}, "
                f"{_f(r['train']['trained_tokens_per_s'], 0)} trained tokens/s",
                f"- resume: {r['resume']}", f"- eval: {r['eval']}", f"- generate: {r['generate']}"]
@@ -79,13 +79,23 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
         if "bytecheck" in r:
             out.append(f"- packed-byte check after the FSDP2 wrap and after unshard (bitsandbytes 1945): {r['bytecheck']}")
         return out + [""] + _mem_rows(r["train"]["memory"])
-    if name == "fsdp2_trace":
+    if name.startswith("fsdp2_trace"):
         t = r["trace"]
         if isinstance(t, str):
             return [f"- {t}"] + [""] + _mem_rows(r["memory"])
         return ([f"- traced peak {t['peak_bytes_traced'] / 2**30:.2f} GiB over {t['entries']} allocator events; "
                  "alive at the peak:", "", "| GiB | allocated at |", "|---|---|"]
                 + [f"| {x['gib']:.3f} | `{x['site']}` |" for x in t["sites"]] + [""] + _mem_rows(r["memory"]))
+    if name.startswith("syncs"):
+        out = []
+        for run, v in r.items():
+            if not isinstance(v, dict):
+                out.append(f"- {run}: {v}")
+                continue
+            out.append(f"- {run}: {v.get('syncs_by_step')} host waits per optimizer step ({v['micro_batches_per_step']} "
+                       f"micro-batches each; steady {v.get('steady_syncs_per_step')}); measurable: {v['measurable']}")
+            out += [f"  - {n} x `{site}`" for site, n in v["in_steps_by_site"].items()]
+        return out
     if name == "trl":
         return [f"- TRL: {r['trl']}", f"- finetune over TRL: {r.get('finetune_over_trl')}"]
     return [f"- {k}: {v}" for k, v in r.items()]

@@ -36,10 +36,15 @@ def where(stack: list) -> tuple[str, str, bool]:
         if fr.filename.startswith(PACKAGE):
             site = f"{os.path.relpath(fr.filename, ROOT)}:{fr.lineno} {fr.name}"
             names.append(fr.name)
-    last = stack[-1] if stack else None
-    inner = None  # None: the wait is finetune's own line
-    if last is not None and not last.filename.startswith(PACKAGE):
-        inner = f"{'/'.join(Path(last.filename).parts[-2:])}:{last.lineno} {last.name}"
+    stack = [fr for fr in stack if not fr.filename.endswith("warnings.py")]  # the warning's own machinery
+    inner = None  # None: the wait is finetune's own line; else the library's three innermost frames
+    if stack and not stack[-1].filename.startswith(PACKAGE):
+        lib = []
+        for fr in reversed(stack):
+            if fr.filename.startswith(PACKAGE) or len(lib) == 3:
+                break
+            lib.append(f"{'/'.join(Path(fr.filename).parts[-2:])}:{fr.lineno} {fr.name}")
+        inner = " < ".join(lib)
     return site, inner, "optimizer_step" in names
 
 

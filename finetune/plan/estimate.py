@@ -243,8 +243,14 @@ def _shards(s: Setup) -> int:
 def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
     """Unsharded copies FSDP all-gathers: the current layer and the prefetched next one, and the root
     (embeddings, final norm, lm_head), which stays gathered from forward through backward."""
-    if s.strategy != "fsdp" or shard == 1:
+    if s.strategy != "fsdp":
         return 0
+    if shard == 1:
+        # One process: FSDP1 turns FULL_SHARD into NO_SHARD (no copies), but FSDP2 still all-gathers each
+        # unit into buffers of its own. Measured on an H200 (8B widths, world 1, allocator trace at the
+        # step's peak): the root's output head and final norm, gathered for the loss (0.98 GiB); the
+        # embedding is resharded by then and a 4-bit layer's copy is small beside it.
+        return arch.vocab * arch.hidden * DTYPE_BYTES[s.model_dtype] if s.fsdp_version == 2 else 0
     consts = w["quant_constants"] if s.quant_state_sharded else 0  # gathered with their weight
     per_layer = (layer_weight_bytes(w) + w["lora"] + consts) // arch.layers
     keep_all = s.reshard_after_forward is False or s.sharding == "SHARD_GRAD_OP"
