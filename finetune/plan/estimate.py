@@ -243,21 +243,25 @@ def _shards(s: Setup) -> int:
 def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
     """Unsharded copies FSDP all-gathers: the current layer and the prefetched next one, and the root
     (embeddings, final norm, lm_head), which stays gathered from forward through backward."""
-    if s.strategy != "fsdp":
-        return 0
-    if shard == 1:
-        # One process: FSDP1 turns FULL_SHARD into NO_SHARD (no copies), but FSDP2 still all-gathers each
-        # unit into buffers of its own. Measured on an H200 (8B widths, world 1, allocator trace at the
-        # step's peak): the root's output head and final norm, gathered for the loss (0.98 GiB); the
-        # embedding is resharded by then and a 4-bit layer's copy is small beside it.
-        return arch.vocab * arch.hidden * DTYPE_BYTES[s.model_dtype] if s.fsdp_version == 2 else 0
+    if s.strategy != "fsdp" or (shard == 1 and s.fsdp_version == 1):
+        return 0  # FSDP1 on one process runs NO_SHARD: nothing is gathered
     consts = w["quant_constants"] if s.quant_state_sharded else 0  # gathered with their weight
     per_layer = (layer_weight_bytes(w) + w["lora"] + consts) // arch.layers
     keep_all = s.reshard_after_forward is False or s.sharding == "SHARD_GRAD_OP"
     layers = arch.layers if keep_all else 2
     grads = 2 * w["lora"] // arch.layers  # unsharded gradients before reduce-scatter
+    if s.fsdp_version == 2 and not s.offload:
+        # FSDP2 leaves the frozen embedding and head whole on every rank (train.parallel.replicated_modules):
+        # the root gathers only the final norm. FSDP2 all-gathers into buffers of their own even on one
+        # process (measured on an H200 before the tables were replicated: the gathered head, 0.98 GiB).
+        return layers * per_layer + grads
     local = 0 if s.offload else w["unquantized"] // shard  # the local shard is already counted on the GPU
     return layers * per_layer + grads + w["unquantized"] - local
+
+
+def _tables(arch: Arch, s: Setup) -> int:
+    """Bytes of the input embedding and output head (one table when tied)."""
+    return arch.vocab * arch.hidden * (1 if arch.tied else 2) * DTYPE_BYTES[s.model_dtype]
 
 
 def _embedding_on_cpu(arch: Arch, s: Setup) -> int:
@@ -281,6 +285,9 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     # bnb's quant state is not a parameter: every rank holds it all (torchao's NF4 shards it: Setup)
     bd["quant_constants"] = -(-w["quant_constants"] // shard) if s.quant_state_sharded else w["quant_constants"]
     bd["unquantized"] = on_gpu * -(-(w["unquantized"] - _embedding_on_cpu(arch, s)) // shard)
+    if s.strategy == "fsdp" and s.fsdp_version == 2 and not s.offload:  # frozen tables whole on every rank
+        tables = _tables(arch, s)
+        bd["unquantized"] = on_gpu * (tables + -(-(w["unquantized"] - tables) // shard))
     bd["lora"] = on_gpu * -(-w["lora"] // shard)
     grads = -(-w["lora"] // shard)
     bd["gradients"] = on_gpu * grads * (2 if s.strategy == "ddp" and s.world > 1 else 1)  # DDP buckets

@@ -55,7 +55,13 @@ def fill_shards(model, plan: LoadPlan) -> None:
     # reader holds another rank's rows while it sends them) should come while little is held yet.
     for e in sorted(plan.entries, key=lambda e: e.packed):
         old = getattr(e.module, e.name)
-        if not isinstance(old, DTensor) or not old.to_local().is_meta:
+        if not isinstance(old, DTensor):
+            if old.is_meta:  # replicated (left out of sharding, parallel.replicated_modules): whole everywhere
+                _assign(holders[id(old)], materialize(plan.stream, e))
+                del old
+                release_freed_memory()
+            continue
+        if not old.to_local().is_meta:
             continue
         mesh = old.device_mesh
         local = _local_chunk(plan, e, mesh.get_local_rank(), mesh.size())
@@ -63,8 +69,14 @@ def fill_shards(model, plan: LoadPlan) -> None:
             local = local.cpu()
         new = torch.nn.Parameter(DTensor.from_local(local, mesh, old.placements, run_check=False, shape=old.shape,
                                                     stride=old.stride()), requires_grad=False)
-        for module, name in holders[id(old)]:
-            module.load_state_dict({name: new}, strict=False, assign=True)
+        _assign(holders[id(old)], new)
         del old, local, new
         release_freed_memory()
     plan.release()
+
+
+
+
+def _assign(holders: list, new: torch.nn.Parameter) -> None:
+    for module, name in holders:
+        module.load_state_dict({name: new}, strict=False, assign=True)

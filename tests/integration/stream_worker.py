@@ -34,6 +34,20 @@ def fsdp2_holdings(model) -> dict:
     return out
 
 
+def tables(model) -> dict:
+    """The input embedding's and output head's weights as this rank holds them: whether sharded (a DTensor)
+    and the local tensor."""
+    from torch.distributed.tensor import DTensor
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    out = {}
+    for key, m in (("embed", base.get_input_embeddings()), ("head", base.get_output_embeddings())):
+        w = m.weight
+        out[key] = {"sharded": isinstance(w, DTensor),
+                    "local": (w.to_local() if isinstance(w, DTensor) else w).detach().clone()}
+    return out
+
+
 def fsdp1_holdings(model) -> list:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -98,7 +112,8 @@ def main(argv: list[str]) -> int:
     fill_shards(model, plan)
     with torch.no_grad():
         logits = model(input_ids=torch.arange(24).view(2, 12) % 300).logits.float()
-    facts = {"logits": logits, "fsdp2": fsdp2_holdings(model), "reader": placement.reader}
+    facts = {"logits": logits, "fsdp2": fsdp2_holdings(model), "reader": placement.reader,
+             "tables": tables(model)}
     if args.strategy == "fsdp" and args.version == 1:
         facts["fsdp1"] = fsdp1_holdings(model)
     out = Path(args.out)

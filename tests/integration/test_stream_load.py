@@ -103,6 +103,18 @@ def test_fsdp2_ranks_hold_their_chunk_of_one_process_load(tmp_path, reference):
     assert [r["reader"] for r in ranks] == [0, 0]  # one machine: rank 0 reads for both
 
 
+def test_fsdp2_leaves_the_frozen_tables_whole_on_every_rank(tmp_path, reference):
+    """The frozen input embedding and output head are replicated (parallel.replicated_modules), not sharded:
+    every rank holds them whole, equal to a one-process load, and no step all-gathers them."""
+    ranks = _run(tmp_path, SYNTH, 2, "--version", "2")
+    one = reference[1]
+    for key, whole in (("embed", one.get_input_embeddings().weight), ("head", one.get_output_embeddings().weight)):
+        for r, facts in enumerate(ranks):
+            held = facts["tables"][key]
+            assert not held["sharded"], (key, r)
+            assert torch.equal(held["local"], whole.detach()), (key, r)
+
+
 def test_one_reader_per_machine(tmp_path, reference):
     """Two machines: each machine's local rank 0 reads for its own machine (its own process group), and the
     shards are the same as with one reader."""

@@ -69,6 +69,10 @@ class PhaseMemory:
             # first phase before anything has touched the GPU ("Invalid device argument" on an H200).
             torch.cuda.init()
         self.phases: dict[str, dict] = {}
+        # What the process held before the run's first phase (imports, the CUDA context on a GPU): a phase's
+        # growth is its peak less this.
+        rss = _proc_status_kib("VmRSS")
+        self.start_rss = None if rss is None else rss * 1024
         self.trace_dir = os.environ.get(TRACE_ENV) if self.cuda else None
         if self.trace_dir:
             # torch's documented way to see what holds GPU memory ("Understanding CUDA Memory Usage")
@@ -117,7 +121,7 @@ class PhaseMemory:
 
         if self.trace_dir:
             self._write_trace(dist.get_rank() if dist.is_available() and dist.is_initialized() else 0)
-        mine = {"device": str(self.device), "phases": self.phases}
+        mine = {"device": str(self.device), "start_rss": self.start_rss, "phases": self.phases}
         ranks = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             ranks = [None] * dist.get_world_size()

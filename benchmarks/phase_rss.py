@@ -1,0 +1,122 @@
+"""Peak RSS per phase of a whole run on CPU: one process against 2 FSDP processes (FSDP2 and FSDP1) over gloo.
+
+The setting of issue 33: a synthetic bf16 Llama of 2 GB (16 layers, hidden 2048), the shipped CPU recipes
+(`recipes/tiny_cpu.yaml` for one process; `recipes/tiny_cpu_fsdp.yaml` under `accelerate launch --config_file
+configs/cpu_fsdp.yaml` for two), 2 steps at micro-batch 2 and the end-of-run eval. Every run writes
+RUN_DIR/memory.json (finetune.train.keepers.memory): per rank, the RSS when the run began (after imports) and
+each phase's peak RSS. A phase's growth is its peak less that start.
+
+Figures: per phase, the growth of the one process and of the larger FSDP rank; over the whole run, the one
+process's growth less the larger rank's, as a multiple of the model's packed 4-bit bytes (issue 33's goal:
+at least 0.4; each rank should hold half of the packed weights in every phase); and the planner's CPU
+figure per process beside each measured phase (memory.json's `plan`).
+
+    python -m benchmarks.phase_rss [--layers 16]       # prints a table and one JSON line
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from benchmarks.common import ROOT, child_env
+
+GIB = 2**30
+MODEL = ("synthetic:meta-llama/Llama-3.2-1B?layers={layers}&hidden=2048&intermediate=8192&heads=32&kv_heads=8"
+         "&vocab=128256")
+
+
+def recipe(base: str, model: str, out: Path) -> dict:
+    rec = yaml.safe_load((ROOT / "recipes" / base).read_text())
+    rec["model"]["name"] = model
+    rec["train"].update({"max_steps": 2, "micro_batch_size": 2, "warmup_steps": 1, "log_every": 1,
+                         "save_every": None, "eval_every": None})
+    rec.setdefault("eval", {})["max_batches"] = 2
+    rec["output"] = {"dir": str(out), "progress_bar": False}
+    return rec
+
+
+def run(name: str, rec: dict, work: Path, launch: list[str]) -> dict:
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(rec, sort_keys=False))
+    p = subprocess.run([*launch, str(path)], cwd=ROOT, env=child_env(), capture_output=True, text=True,
+                       timeout=3600)
+    if p.returncode != 0:
+        raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+    mem = json.loads((Path(rec["output"]["dir"]) / "memory.json").read_text())
+    growth = {}
+    for rank in mem["ranks"]:
+        for phase, v in rank["phases"].items():
+            g = (v["peak_rss"] - rank["start_rss"]) / GIB
+            growth.setdefault(phase, []).append(round(g, 3))
+    return {"growth_gib": growth, "plan_gib": {k: round(v / GIB, 3) for k, v in (mem.get("plan") or {}).items()},
+            "start_gib": [round(r["start_rss"] / GIB, 3) for r in mem["ranks"]]}
+
+
+def packed_bytes(model: str) -> int:
+    from finetune.plan.archs import resolve
+    from finetune.plan.estimate import Setup, weight_terms
+
+    arch, _ = resolve(model)
+    w = weight_terms(arch, Setup(model=model, quant_storage="uint8", model_dtype="bfloat16"))
+    return w["base_4bit"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.phase_rss")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--only", help="comma-separated subset of single,fsdp2,fsdp1")
+    a = ap.parse_args(argv)
+    model = MODEL.format(layers=a.layers)
+    from finetune.weights.synthetic import synthetic_dir
+
+    synthetic_dir(model)  # built once, before any run measures itself
+    work = Path(tempfile.mkdtemp(prefix="phase_rss-"))
+    accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                  str(ROOT / "configs" / "cpu_fsdp.yaml")]
+    v1 = work / "cpu_fsdp1.yaml"  # the launcher must agree with the recipe's fsdp.version
+    v1.write_text((ROOT / "configs" / "cpu_fsdp.yaml").read_text().replace("fsdp_version: 2", "fsdp_version: 1"))
+    accelerate1 = [*accelerate[:-1], str(v1)]
+    runs = {"single": ("tiny_cpu.yaml", {}, [sys.executable, "-m", "finetune"]),
+            "fsdp2": ("tiny_cpu_fsdp.yaml", {"fsdp": {"version": 2}}, [*accelerate, "-m", "finetune"]),
+            "fsdp1": ("tiny_cpu_fsdp.yaml", {"fsdp": {"version": 1}}, [*accelerate1, "-m", "finetune"])}
+    chosen = a.only.split(",") if a.only else list(runs)
+    res = {"model": model, "packed_4bit_gib": round(packed_bytes(model) / GIB, 3)}
+    for name in chosen:
+        base, sections, launch = runs[name]
+        rec = recipe(base, model, work / name)
+        for k, v in sections.items():
+            rec.setdefault(k, {}).update(v)
+        res[name] = run(name, rec, work, launch)
+    whole = {n: max(max(g) for g in res[n]["growth_gib"].values()) for n in chosen}
+    if "single" in whole:
+        for n in ("fsdp2", "fsdp1"):
+            if n in whole:
+                res[f"{n}_saving_over_packed"] = round((whole["single"] - whole[n]) / res["packed_4bit_gib"], 3)
+    res["whole_run_growth_gib"] = whole
+    print(table(res, chosen))
+    print(json.dumps(res))
+    return 0
+
+
+def table(res: dict, chosen: list[str]) -> str:
+    phases = [p for p in ("load", "wrap", "steps", "eval", "save", "export")
+              if any(p in res[n]["growth_gib"] for n in chosen)]
+    lines = ["| phase | " + " | ".join(f"{n} growth (max rank) | {n} plan" for n in chosen) + " |",
+             "|---" * (1 + 2 * len(chosen)) + "|"]
+    for ph in phases:
+        cells = []
+        for n in chosen:
+            g = res[n]["growth_gib"].get(ph)
+            cells += [f"{max(g):.2f}" if g else "-", f"{res[n]['plan_gib'].get(ph, float('nan')):.2f}"]
+        lines.append(f"| {ph} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
