@@ -34,6 +34,7 @@ from finetune.train.lora import apply_lora, enable_checkpointing, trainable_repo
 from finetune.train.loss import loss_totals, setup_forward
 from finetune.train.keepers.memory import PhaseMemory
 from finetune.train.keepers.memory import table as memory_table
+from finetune.train.keepers.memory import tracker_values
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.step import global_sum, make_scaler, optimizer_step
@@ -180,10 +181,12 @@ def finish(run: Run, last: dict, return_model: bool) -> dict:
         run.metrics.log(run.step, eval_loss=round(final["eval_loss"], 6))
     with mem.phase("export"):
         export_adapter(run)
-    run.metrics.close()
     memory = mem.write(run.run_dir, run.acc, run.recipe)
     if memory is not None:
         log.info("memory per phase (largest rank; RUN_DIR/memory.json):\n" + memory_table(memory))
+        if run.metrics.trackers is not None:  # the measured peaks beside the plan the config holds
+            run.metrics.trackers.log(run.step, tracker_values(memory))
+    run.metrics.close()
     run.acc.wait_for_everyone()
     if return_model:
         final["model"] = run.acc.unwrap_model(run.model)

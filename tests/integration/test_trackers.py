@@ -62,7 +62,15 @@ def test_tensorboard_scalars_equal_metrics_jsonl(tracked):
     acc.Reload()
     keys = {k for r in records for k in r if k != "step" and isinstance(r[k], (int, float))}
     assert {"loss", "lr", "grad_norm", "eval_loss", "tokens_per_s", "epoch", "time"} <= keys
-    assert set(acc.Tags()["scalars"]) == keys
+    # and, at each start's last step, the measured memory per phase (memory.json's; the plan is in the config)
+    from finetune.train.keepers.memory import tracker_values
+
+    memory = tracker_values(json.loads((run_dir / "memory.json").read_text()))
+    assert "memory/steps_peak_rss_gib" in memory or "memory/steps_peak_allocated_gib" in memory
+    assert set(acc.Tags()["scalars"]) == keys | set(memory)
+    for key, value in memory.items():
+        got = acc.Scalars(key)
+        assert [e.step for e in got] == [3, 5] and got[-1].value == pytest.approx(value, rel=1e-6), key
     for key in keys:
         got = [(e.step, e.value) for e in acc.Scalars(key)]
         want = _series(records, key)

@@ -203,6 +203,20 @@ def planned(recipe, world: int, cuda: bool) -> dict | None:
     return {"load": p.cpu["loading"] // per, "steps": p.cpu["training"] // per, "save": p.cpu["saving"] // per}
 
 
+def tracker_values(memory: dict) -> dict:
+    """memory.json's measured peaks as tracker metrics (the largest rank's, GiB), `memory/<phase>_<what>`; the
+    planned figures are in the tracker's config already (trackers.run_config's `plan`)."""
+    keys = ("peak_allocated", "peak_reserved") if memory["kind"] == "cuda" else ("peak_rss",)
+    out = {}
+    for name in PHASES:
+        per_rank = [r["phases"][name] for r in memory["ranks"] if name in r["phases"]]
+        for k in keys:
+            values = [p.get(k) for p in per_rank if p.get(k) is not None]
+            if values:
+                out[f"memory/{name}_{k}_gib"] = round(max(values) / 2**30, 4)
+    return out
+
+
 def table(memory: dict) -> str:
     """The end-of-run summary: one line per phase, the largest rank's figures in GiB, and the planner's
     figure for the phases it plans (GPU: the load against peak reserved, the steps against peak allocated)."""
