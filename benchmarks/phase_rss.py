@@ -41,7 +41,7 @@ def recipe(base: str, model: str, out: Path) -> dict:
     return rec
 
 
-def run(name: str, rec: dict, work: Path, launch: list[str]) -> dict:
+def run_one(name: str, rec: dict, work: Path, launch: list[str]) -> dict:
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))
     p = subprocess.run([*launch, str(path)], cwd=ROOT, env=child_env(), capture_output=True, text=True,
@@ -67,12 +67,8 @@ def packed_bytes(model: str) -> int:
     return w["base_4bit"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.phase_rss")
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--only", help="comma-separated subset of single,fsdp2,fsdp1")
-    a = ap.parse_args(argv)
-    model = MODEL.format(layers=a.layers)
+def run(layers: int = 16, only: list[str] | None = None) -> dict:
+    model = MODEL.format(layers=layers)
     from finetune.weights.synthetic import synthetic_dir
 
     synthetic_dir(model)  # built once, before any run measures itself
@@ -85,26 +81,36 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"single": ("tiny_cpu.yaml", {}, [sys.executable, "-m", "finetune"]),
             "fsdp2": ("tiny_cpu_fsdp.yaml", {"fsdp": {"version": 2}}, [*accelerate, "-m", "finetune"]),
             "fsdp1": ("tiny_cpu_fsdp.yaml", {"fsdp": {"version": 1}}, [*accelerate1, "-m", "finetune"])}
-    chosen = a.only.split(",") if a.only else list(runs)
-    res = {"model": model, "packed_4bit_gib": round(packed_bytes(model) / GIB, 3)}
+    chosen = only or list(runs)
+    res = {"model": model, "packed_4bit_gib": round(packed_bytes(model) / GIB, 3), "runs": chosen}
     for name in chosen:
         base, sections, launch = runs[name]
         rec = recipe(base, model, work / name)
         for k, v in sections.items():
             rec.setdefault(k, {}).update(v)
-        res[name] = run(name, rec, work, launch)
+        res[name] = run_one(name, rec, work, launch)
     whole = {n: max(max(g) for g in res[n]["growth_gib"].values()) for n in chosen}
     if "single" in whole:
         for n in ("fsdp2", "fsdp1"):
             if n in whole:
                 res[f"{n}_saving_over_packed"] = round((whole["single"] - whole[n]) / res["packed_4bit_gib"], 3)
     res["whole_run_growth_gib"] = whole
-    print(table(res, chosen))
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.phase_rss")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--only", help="comma-separated subset of single,fsdp2,fsdp1")
+    a = ap.parse_args(argv)
+    res = run(a.layers, a.only.split(",") if a.only else None)
+    print(table(res))
     print(json.dumps(res))
     return 0
 
 
-def table(res: dict, chosen: list[str]) -> str:
+def table(res: dict) -> str:
+    chosen = res["runs"]
     phases = [p for p in ("load", "wrap", "steps", "eval", "save", "export")
               if any(p in res[n]["growth_gib"] for n in chosen)]
     lines = ["| phase | " + " | ".join(f"{n} growth (max rank) | {n} plan" for n in chosen) + " |",
@@ -115,6 +121,13 @@ def table(res: dict, chosen: list[str]) -> str:
             g = res[n]["growth_gib"].get(ph)
             cells += [f"{max(g):.2f}" if g else "-", f"{res[n]['plan_gib'].get(ph, float('nan')):.2f}"]
         lines.append(f"| {ph} | " + " | ".join(cells) + " |")
+    whole = res["whole_run_growth_gib"]
+    lines += ["", "Whole run, largest rank: " + ", ".join(f"{n} {whole[n]:.2f} GiB" for n in chosen)
+              + f"; packed 4-bit weights {res['packed_4bit_gib']:.3f} GiB"]
+    for n in ("fsdp2", "fsdp1"):
+        if f"{n}_saving_over_packed" in res:
+            lines.append(f"- {n}: one process's growth less the larger rank's = **{res[f'{n}_saving_over_packed']:.2f}x** "
+                         "the packed bytes (goal >= 0.4)")
     return "\n".join(lines)
 
 

@@ -170,6 +170,15 @@ def load_rss(r: dict) -> list[str]:
             table(r)]
 
 
+def phase_rss(r: dict) -> list[str]:
+    from benchmarks.phase_rss import table
+
+    return ["A whole run per phase (benchmarks/phase_rss.py): the shipped CPU recipes on a synthetic bf16 Llama "
+            "(2 steps, micro-batch 2, the end-of-run eval), one process against 2 FSDP ranks over gloo; growth is "
+            "each phase's peak RSS over the RSS when the run began (memory.json), plan is the planner's CPU RAM "
+            "per process for the phases it plans.", "", table(r)]
+
+
 SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("packing", "## 2. Packing", packing),
             ("merge_rss", "## 3. Merge memory", merge_rss),
@@ -178,7 +187,8 @@ SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("startup", "## 6. Startup", startup),
             ("trl_sft", "## 7. Against TRL's SFTTrainer", trl_sft),
             ("loss_memory", "## 8. Loss memory", loss_memory),
-            ("load_rss", "## 9. Loading memory", load_rss)]
+            ("load_rss", "## 9. Loading memory", load_rss),
+            ("phase_rss", "## 10. Memory per phase of a whole run", phase_rss)]
 
 
 def sections(rows: dict) -> list[str]:

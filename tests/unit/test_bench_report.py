@@ -35,6 +35,11 @@ ROWS = {
                  "ratio_2_over_1": 0.81, "single_growth_over_model": 0.99, "plan_error": 0.14,
                  "runs": {"1 process": {"planned_reader": 6.5e8, "ranks": [{"rank": 0, "growth": 5.96e8,
                                                                              "held_bytes": 6.0e8}]}}},
+    "phase_rss": {"model": "synthetic:y", "packed_4bit_gib": 0.453, "runs": ["single", "fsdp2"],
+                  "single": {"growth_gib": {"load": [1.77], "steps": [2.47]}, "plan_gib": {"load": 3.48, "steps": 1.5}},
+                  "fsdp2": {"growth_gib": {"load": [0.31, 0.32], "steps": [2.84, 3.01]},
+                            "plan_gib": {"load": 3.11, "steps": 1.5}},
+                  "whole_run_growth_gib": {"single": 2.47, "fsdp2": 3.01}, "fsdp2_saving_over_packed": -1.19},
 }
 
 
@@ -151,6 +156,7 @@ def test_main_writes_results_and_prints_json_last(monkeypatch, tmp_path, capsys)
     assert "## 8. Loss memory" in text and "Full / chunked: **23.1x**" in text
     assert last["loss_memory_ratio"] == 23.1
     assert "## 9. Loading memory" in text and "FSDP2 0.620, FSDP1 0.810 (goal <= 0.6)" in text
+    assert "## 10. Memory per phase of a whole run" in text and "**-1.19x** the packed bytes (goal >= 0.4)" in text
     assert last["load_rss_ratio_2_over_1"] == 0.81
 
 
