@@ -15,22 +15,26 @@ import torch
 
 from finetune.weights.device import to_device
 from finetune.train.loss import batch_kernels, token_loss_sum, trained_tokens
+from finetune.train.preference import pair_loss, pair_units, step_metrics
 from finetune.train.scaling import LossScaler
 
 
-def next_micro_batches(run) -> tuple[list[dict], int]:
+def next_micro_batches(run) -> tuple[list[dict], int, list[int]]:
     """(the next optimizer step's micro-batches on the device, their trained tokens on this rank, counted on
-    the host copies), going on to the next epoch at an epoch's end."""
-    micro, tokens = [], 0
+    the host copies, and for preference batches their [pairs, chosen tokens]), going on to the next epoch at
+    an epoch's end."""
+    micro, tokens, units = [], 0, [0, 0]
     while len(micro) < run.recipe.train.gradient_accumulation_steps:
         if run.cursor >= len(run.batches):
             run.epoch, run.cursor = run.epoch + 1, 0
             run.batches = run.epoch_batches()
         batch = run.batches[run.cursor]
         tokens += trained_tokens(batch)
+        if "ref_logps" in batch:
+            units = [u + v for u, v in zip(units, pair_units(batch))]
         micro.append(to_device(batch, run.acc.device))
         run.cursor += 1
-    return micro, tokens
+    return micro, tokens, units
 
 
 def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] | None:
@@ -43,15 +47,22 @@ def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] |
     start = (run.epoch, run.cursor)
     # Gather this step's micro-batches first: the loss is normalised by the trained tokens of the
     # whole step on every rank, which must be known before the first backward.
-    micro, tokens = next_micro_batches(run)
+    micro, tokens, units = next_micro_batches(run)
     step_tokens = host_sum(run, tokens)
-    loss_total = None  # on the device until the end of the step
+    # Preference steps: the loss is a mean over the step's pairs (and ORPO's NLL over its chosen tokens).
+    norm = (host_sum(run, units[0]), host_sum(run, units[1])) if t.method != "sft" else None
+    loss_total, stats = None, {}  # on the device until the end of the step
     for i, b in enumerate(micro):
         last = i == len(micro) - 1
         with gradient_sync(run, last), batch_kernels(b, device_type, t):
-            loss_sum, _ = token_loss_sum(run.model, b, device_type, t, run.offload)
             # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
-            acc.backward(run.scaler.scale(loss_sum * acc.num_processes / step_tokens))
+            if norm is None:
+                loss_sum, _ = token_loss_sum(run.model, b, device_type, t, run.offload)
+                acc.backward(run.scaler.scale(loss_sum * acc.num_processes / step_tokens))
+            else:  # already divided by the step's pairs: loss_sum is this micro-batch's share of the mean
+                loss_sum, b_stats = pair_loss(run.model, b, device_type, t, run.offload, norm)
+                acc.backward(run.scaler.scale(loss_sum * acc.num_processes))
+                stats = {k: stats.get(k, 0) + v for k, v in b_stats.items()}
         loss_total = loss_sum.detach() if loss_total is None else loss_total + loss_sum.detach()
         # A preempted worker is killed ~30 s after SIGTERM; a whole step can take longer. Every rank asks
         # after every micro-batch (one scalar all-reduce over the host group, so all agree on where to stop).
@@ -68,7 +79,19 @@ def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] |
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
     loss, grad_norm = read_step_values(acc, loss_total, grad_norm)
+    if norm is not None:
+        run.step_stats = step_metrics(reduce_stats(acc, stats))
+        return loss, grad_norm, step_tokens
     return loss / step_tokens, grad_norm, step_tokens
+
+
+def reduce_stats(acc, stats: dict) -> dict:
+    """The step's preference statistics (sums of detached tensors), summed over ranks in one reduce."""
+    keys = sorted(stats)
+    values = torch.stack([torch.as_tensor(stats[k], dtype=torch.float64).reshape(()) for k in keys])
+    if acc.num_processes > 1:
+        values = acc.reduce(values.to(acc.device), reduction="sum")
+    return dict(zip(keys, values.tolist()))
 
 
 def read_step_values(acc, loss_total: torch.Tensor, grad_norm) -> tuple[float, float | None]:
