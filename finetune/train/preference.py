@@ -69,24 +69,32 @@ def pair_units(batch: dict) -> tuple[int, int]:
 
 
 def pair_loss(model, batch: dict, device_type: str, train_spec, offload=None, norm=(1.0, 1.0)):
-    """(the micro-batch's share of the step loss: the pair losses summed and divided by norm[0], the step's
-    pairs, and for ORPO the NLL summed over chosen tokens divided by norm[1], the step's chosen tokens;
-    the detached sums of STAT_KEYS)."""
+    """(the micro-batch's share of the step loss, the detached sums of STAT_KEYS): `pair_losses` of the
+    batch's per-sequence log-probs, from one forward of its 2B sequences."""
     logps, counts = sequence_logps(model, batch, device_type, train_spec, offload)
+    return pair_losses(logps, counts, batch.get("ref_logps"), train_spec, norm)
+
+
+def pair_losses(logps, counts, ref_logps, train_spec, norm=(1.0, 1.0)):
+    """The loss of B pairs from their 2B summed log-probs `logps` (chosen then rejected), the scored tokens
+    `counts` of each and (DPO) the reference's `ref_logps`: the pair losses summed and divided by norm[0]
+    (the step's pairs), plus for ORPO the chosen answers' NLL summed and divided by norm[1] (the step's
+    chosen tokens). Returns (loss, the detached sums of STAT_KEYS)."""
     b = logps.size(0) // 2
     chosen, rejected = logps[:b], logps[b:]
     stats = {"pairs": torch.tensor(float(b), device=logps.device)}
     if train_spec.method == "dpo":
-        ref = batch["ref_logps"].to(logps.device, torch.float32)
+        ref = ref_logps.to(logps.device, logps.dtype)
         losses, rc, rr = dpo_losses(chosen, rejected, ref[:b], ref[b:], train_spec.beta, train_spec.label_smoothing)
         loss = losses.sum() / norm[0]
     else:
         counts = counts.clamp(min=1).to(logps.dtype)
-        ratio, log_odds = orpo_odds(chosen / counts[:b], rejected / counts[b:])
+        chosen_mean, rejected_mean = chosen / counts[:b], rejected / counts[b:]
+        ratio, log_odds = orpo_odds(chosen_mean, rejected_mean)
         nll = -chosen.sum()
         loss = nll / norm[1] - train_spec.orpo_lambda * ratio.sum() / norm[0]
         # TRL's ORPO rewards: lambda x the mean log-prob of each answer
-        rc, rr = (train_spec.orpo_lambda * (side / n).detach() for side, n in ((chosen, counts[:b]), (rejected, counts[b:])))
+        rc, rr = train_spec.orpo_lambda * chosen_mean.detach(), train_spec.orpo_lambda * rejected_mean.detach()
         stats.update(log_odds=log_odds.detach().sum(), nll=nll.detach(), nll_tokens=counts[:b].sum())
     stats.update(rewards_chosen=rc.sum(), rewards_rejected=rr.sum(), margin=(rc - rr).sum(),
                  accuracy=(rc > rr).float().sum(), prefers=(chosen > rejected).float().sum(),
