@@ -34,7 +34,7 @@ from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
 from finetune.train.lora import apply_lora, enable_checkpointing, load_adapter_into, trainable_report
 from finetune.train.loss import loss_totals, setup_forward
 from finetune.train.preference import eval_totals
-from finetune.train.reference import attach_reference
+from finetune.train.refpolicy import attach_reference
 from finetune.train.keepers.memory import PhaseMemory
 from finetune.train.keepers.memory import table as memory_table
 from finetune.train.optim import build_optimizer, build_scheduler
@@ -117,7 +117,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         fill_shards(run.model, plan)  # FSDP: every rank streams its part of the base into its shards
         restore(run, resume_from)
         run.offload = setup_forward(run.model, recipe.model.activation_offloading)  # lean modules, offloading
-        attach_reference(run)  # DPO: the starting policy's log-probs of every pair, once (train.reference)
+        attach_reference(run)  # DPO: the starting policy's log-probs of every pair, once (train.refpolicy)
     release_cached_memory()  # the load's transients stay out of the pool the steps draw from
     if run.acc.is_main_process:
         write_recipe(run_dir, recipe)
