@@ -60,7 +60,7 @@ def test_sigkill_mid_dpo_run_resumes_to_the_uninterrupted_result(tmp_path):
 
     pid = fork_cli(dpo_command(run), tmp_path / "killed.log")
     deadline = time.monotonic() + 600
-    while not (run / "checkpoints" / f"step-{DPO_SAVE}" / "manifest.json").exists():
+    while not (run / "checkpoints" / f"step-{DPO_SAVE}" / "trainer_state.json").exists():
         assert alive(pid) and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
         time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
