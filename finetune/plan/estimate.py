@@ -64,6 +64,7 @@ class Setup:
     loss_chunk_tokens: int = 0  # 0: automatic (finetune.plan.logits.chunk_rows)
     attn: str = "sdpa"
     device: str = "cuda"  # "cpu" plans a CPU run (no CUDA context; CPU dropout keeps a full-width mask)
+    method: str = "sft"  # train.method; dpo/orpo forward both sides of every pair at once (from_recipe)
 
     @property
     def world(self) -> int:
@@ -77,8 +78,12 @@ class Setup:
 def from_recipe(recipe) -> Setup:
     m, q, lo, t, d, f = recipe.model, recipe.quantization, recipe.lora, recipe.train, recipe.distributed, recipe.fsdp
     procs = d.num_processes or 1
-    return Setup(model=m.name, gpus=procs, machines=d.num_machines,
-                 seq_len=recipe.data.max_seq_len, micro_batch=t.micro_batch_size, lora_r=lo.r,
+    # A preference micro-batch of N pairs is one forward of 2N sequences (chosen and rejected together), so
+    # activations and the loss path are planned for 2N; DPO's reference forward is a no-grad pass before the
+    # first step (train.refpolicy), which keeps no activations and so never exceeds a training step.
+    sequences = t.micro_batch_size * (1 if t.method == "sft" else 2)
+    return Setup(model=m.name, gpus=procs, machines=d.num_machines, method=t.method,
+                 seq_len=recipe.data.max_seq_len, micro_batch=sequences, lora_r=lo.r,
                  lora_targets=lo.target_modules, lora_expert_targets=lo.target_parameters, lora_dtype=lo.dtype,
                  lora_dropout=lo.dropout, quant=q.mode,
                  double_quant=q.double_quant, quant_storage=recipe.effective_quant_storage(),
@@ -349,6 +354,11 @@ def _notes(p: Plan, w: dict):
     if "training_start" in p.cpu:
         p.notes.append("FSDP1 pins every shard (and a pinned gradient) before the first forward frees the unpinned "
                        "copy: training_start holds each shard three times")
+    if s.method != "sft":
+        p.notes.append(f"train.method {s.method}: each micro-batch of pairs runs as {s.micro_batch} sequences "
+                       "(chosen and rejected in one forward)"
+                       + ("; the reference log-probs are one no-grad pass before the first step" if s.method == "dpo"
+                          else ""))
     if s.device == "cuda" and s.attn == "eager":
         p.notes.append("eager attention keeps the seq_len x seq_len probabilities of every head")
     fit = p.fits()

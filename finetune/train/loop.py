@@ -203,6 +203,10 @@ def setup(recipe: Recipe, run_dir: Path) -> Run:
     with acc.local_main_process_first():  # builtin assets and data caches are built once per node
         prepared = prepare_data(recipe.data, tok, vocab_size(recipe.model.name))
     check_method(prepared, recipe.train.method)
+    start = recipe.lora.init_adapter
+    if start and not (Path(start) / "adapter_model.safetensors").exists():  # before any weights load
+        raise RecipeError([f"lora.init_adapter: {start} holds no adapter_model.safetensors (an earlier run's "
+                           "RUN_DIR/adapter; train that run first)"])
     return Run(recipe, run_dir, acc, tok, prepared, host_group=host_group(acc))
 
 
