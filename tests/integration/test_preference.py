@@ -5,6 +5,8 @@ import gc
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -13,7 +15,7 @@ from safetensors.torch import load_file
 
 from ..conftest import ROOT
 from .procs import alive, exit_code_of, fork_cli, metrics, wait_pid
-from .test_fsdp_train import STRICT, launch, single_run
+from .test_fsdp_train import COMMON, STRICT, launch, single_run
 
 pytestmark = [pytest.mark.slow]
 
@@ -42,6 +44,21 @@ def test_two_process_fsdp_matches_one_process(tmp_path, tmp_path_factory, method
         a = json.loads((single / "reference" / "logps.json").read_text())["train"]
         b = json.loads((run / "reference" / "logps.json").read_text())["train"]
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+
+
+@pytest.mark.distributed
+def test_two_process_ddp_matches_one_process(tmp_path, tmp_path_factory):
+    extra = STRICT + PREF + ["train.method=dpo"]
+    single = single_run(tmp_path_factory, extra + ["train.save_every=null"])
+    run = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "-m", "finetune",
+           str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), "distributed.strategy=ddp", f"output.dir={run}", *COMMON, *extra]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ref, got = pref_metrics(single), pref_metrics(run)
+    assert len(got) == len(ref) == 20
+    for key in ("loss", "rewards_chosen", "rewards_rejected", "margin"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], abs=1e-2), key
 
 
 DPO_STEPS, DPO_SAVE = 12, 5
