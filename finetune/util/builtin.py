@@ -97,6 +97,9 @@ WRONG = {
 }
 
 
+PREFERENCE_VERSION = 2  # bump when the preference set changes (2: all 4000 training rows, not 1000)
+
+
 def preference_row(row: dict) -> dict:
     """A tiny-instruct row as a preference pair: chosen = its right answer, rejected = WRONG's."""
     task, words = row["prompt"].split(":", 1)
@@ -104,18 +107,18 @@ def preference_row(row: dict) -> dict:
 
 
 def preference_dir() -> Path:
-    """builtin:tiny-preference: train.jsonl (1000 pairs, from tiny-instruct's training rows) and eval.jsonl (the
+    """builtin:tiny-preference: train.jsonl (4000 pairs, from tiny-instruct's training rows) and eval.jsonl (the
     200 held-out prompts of tiny-instruct's eval split, so an SFT run on tiny-instruct never saw them)."""
     source = dataset_dir()
 
     def build(tmp: Path):
-        for name, limit in (("train", 1000), ("eval", 200)):
+        for name, limit in (("train", 4000), ("eval", 200)):
             rows = [json.loads(line) for line in (source / f"{name}.jsonl").read_text().splitlines()[:limit]]
             with open(tmp / f"{name}.jsonl", "w") as f:
                 for r in rows:
                     f.write(json.dumps(preference_row(r)) + "\n")
 
-    return _atomic_build(cache_root() / f"tiny-preference-{VERSION}", build)
+    return _atomic_build(cache_root() / f"tiny-preference-{VERSION}-{PREFERENCE_VERSION}", build)
 
 
 ASSETS = Path(__file__).parent / "assets"

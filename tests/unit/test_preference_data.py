@@ -65,7 +65,7 @@ def test_bad_preference_rows_are_named_by_file_and_line(tmp_path, tok):
 def test_the_builtin_set_pairs_the_right_answer_with_a_plausible_wrong_one(tok):
     rows = [json.loads(l) for l in (builtin.preference_dir() / "train.jsonl").read_text().splitlines()]
     held = [json.loads(l) for l in (builtin.preference_dir() / "eval.jsonl").read_text().splitlines()]
-    assert (len(rows), len(held)) == (1000, 200)
+    assert (len(rows), len(held)) == (4000, 200)
     assert not {r["prompt"] for r in rows} & {r["prompt"] for r in held}
     for r in rows:
         task, words = r["prompt"].split(":", 1)
