@@ -39,7 +39,8 @@ def test_two_process_fsdp_matches_one_process(tmp_path, tmp_path_factory, method
     assert len(got) == len(ref) == 20
     for key in ("loss", "rewards_chosen", "rewards_rejected", "margin"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], abs=1e-2), key
-    assert [r["accuracy"] for r in got] == pytest.approx([r["accuracy"] for r in ref], abs=0.07)
+    if method == "orpo":  # DPO's rewards stay ~1e-6 under STRICT's tiny updates: their sign is rounding there
+        assert [r["accuracy"] for r in got] == pytest.approx([r["accuracy"] for r in ref], abs=0.07)
     if method == "dpo":  # the reference log-probs, computed in blocks over both ranks, are one process's
         a = json.loads((single / "reference" / "logps.json").read_text())["train"]
         b = json.loads((run / "reference" / "logps.json").read_text())["train"]
