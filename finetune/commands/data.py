@@ -152,6 +152,8 @@ def run(args) -> int:
     for i, ex in enumerate(prepared.train[: args.show]):
         print(example_header(i, ex, len(prepared.train)))
         print(render(ex, tok, color))
+        if "rejected_ids" in ex:  # a preference pair: its rejected side, scored the same way
+            print("rejected:\n" + render({"input_ids": ex["rejected_ids"], "labels": ex["rejected_labels"]}, tok, color))
     print("---")
     print("\n".join(summary(stats, recipe.data)))
     if args.json:

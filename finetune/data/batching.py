@@ -57,12 +57,27 @@ def _right_pad(items: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def collate(examples: list[dict], pad_id: int) -> dict:
-    """Dynamic padding to the longest example in the batch (right padding, masked out of the loss)."""
+    """Dynamic padding to the longest example in the batch (right padding, masked out of the loss). Preference
+    pairs go through `collate_pairs`."""
+    if examples and "rejected_ids" in examples[0]:
+        return collate_pairs(examples, pad_id)
     ids, labels = _right_pad(examples, pad_id)
     mask = torch.zeros_like(ids)
     for i, e in enumerate(examples):
         mask[i, :len(e["input_ids"])] = 1
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
+
+
+def collate_pairs(pairs: list[dict], pad_id: int) -> dict:
+    """B preference pairs -> one batch of 2B sequences, the B chosen then the B rejected, so both sides of
+    every pair go through the model in one forward. `ref_logps` [2B] (float64, same order) holds the
+    reference policy's log-probs once they are known (`ref` of each pair: [chosen, rejected]), else zeros."""
+    sides = ([{"input_ids": p["input_ids"], "labels": p["labels"]} for p in pairs]
+             + [{"input_ids": p["rejected_ids"], "labels": p["rejected_labels"]} for p in pairs])
+    batch = collate(sides, pad_id)
+    refs = [p.get("ref", (0.0, 0.0)) for p in pairs]
+    batch["ref_logps"] = torch.tensor([r[0] for r in refs] + [r[1] for r in refs], dtype=torch.float64)
+    return batch
 
 
 def pack(examples: list[dict], max_len: int) -> list[dict]:

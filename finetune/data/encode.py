@@ -10,7 +10,7 @@ from finetune.data.chat import IGNORE, chat_examples
 from finetune.data.formats import REASONING_KEYS, SHAREGPT_ROLES, detect_format
 from finetune.recipe import DataSpec
 
-ENCODER_VERSION = 4  # part of the cache key: bump when encode() changes what it produces
+ENCODER_VERSION = 5  # part of the cache key: bump when encode() changes what it produces
 # Text is cut to max_seq_len x this many characters before it is tokenized (bounded time and memory per row,
 # whatever the row's size). Tokens average about 4 characters; a piece cut here still makes far more tokens
 # than max_seq_len, so the first max_seq_len tokens, and whether the row is too long, stay exactly the same.
@@ -69,6 +69,8 @@ def encode_all(row: dict, fmt: str, tok, spec: DataSpec) -> list[dict]:
     "check" (the inference-rendering check). Raises ValueError for a row that does not fit `fmt`."""
     fmt = (detect_format(row) or "unknown") if fmt == "auto" else fmt
     template, n = chat_template(spec, tok), spec.max_seq_len
+    if fmt == "preference":
+        return [encode_pair(row, tok, spec)]
     if fmt == "prompt_completion" and isinstance(row.get("prompt"), list):  # conversational: the completion trains
         return chat_examples(tok, _cut_turns(row["prompt"] + row["completion"], n), template, row.get("tools"),
                              spec.train_on_inputs, first_trained=len(row["prompt"]), key="prompt+completion")
@@ -80,6 +82,39 @@ def encode_all(row: dict, fmt: str, tok, spec: DataSpec) -> list[dict]:
         return chat_examples(tok, _cut_turns(msgs, n), template, row.get("tools"), spec.train_on_inputs,
                              key="conversations")
     return [encode(row, fmt, tok, spec)]
+
+
+def pair_prompt(row: dict):
+    """(prompt, chosen, rejected) of a preference row: strings, or message lists (the shared prompt given, or
+    every message but the last of each chat)."""
+    chosen, rejected = row["chosen"], row["rejected"]
+    if isinstance(chosen, str):
+        return row.get("prompt") or "", chosen, rejected
+    if row.get("prompt") is not None:
+        return row["prompt"], chosen, rejected
+    return chosen[:-1], chosen[-1:], rejected[-1:]
+
+
+def encode_pair(row: dict, tok, spec: DataSpec) -> dict:
+    """A preference row -> its chosen sequence (input_ids, labels) and its rejected one (rejected_ids,
+    rejected_labels): the same prompt, rendered as SFT renders it, then each answer; only the answer tokens
+    are scored (train_on_inputs does not apply: a prompt's log-prob is the same on both sides)."""
+    prompt, chosen, rejected = pair_prompt(row)
+    n, sides = spec.max_seq_len, []
+    for answer in (chosen, rejected):
+        if isinstance(answer, str):
+            sides.append(_prompt_completion(tok, prompt, answer, False, n))
+            continue
+        examples = chat_examples(tok, _cut_turns(prompt + answer, n), chat_template(spec, tok), row.get("tools"),
+                                 False, first_trained=len(prompt), key="prompt+answer")
+        if len(examples) != 1:
+            raise ValueError(f"this answer trains as {len(examples)} examples (the template rewrites history); "
+                             "a preference answer must be one")
+        sides.append(examples[0])
+    (c, r) = sides
+    return {"input_ids": c["input_ids"], "labels": c["labels"], "rejected_ids": r["input_ids"],
+            "rejected_labels": r["labels"], "turns": c.get("turns", 0) + r.get("turns", 0),
+            "check": "; ".join(x for x in (c.get("check"), r.get("check")) if x)}
 
 
 def render_chat(tok, messages: list[dict], template: str, gen: bool = False, tools: list | None = None) -> str:

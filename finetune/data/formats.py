@@ -42,6 +42,8 @@ class BadRows:
 def detect_format(row: dict) -> str | None:
     if "input_ids" in row:
         return "tokens"
+    if "chosen" in row and "rejected" in row:
+        return "preference"
     if "messages" in row:
         return "messages"
     if "conversations" in row:
@@ -206,12 +208,32 @@ def _tokens(row: dict) -> str | None:
     return why
 
 
+def _preference(row: dict) -> str | None:
+    """Preference pairs: `prompt`, `chosen` and `rejected` strings; or chats: `chosen` and `rejected` message
+    lists after a shared `prompt` list, or (no `prompt`) whole chats that share every message but their last."""
+    chosen, rejected = row.get("chosen"), row.get("rejected")
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        return _text(row, "prompt", allow_empty=True) or _text(row, "chosen") or _text(row, "rejected")
+    why = (_chat(chosen, "chosen") or _chat(rejected, "rejected") or check_tools(row)
+           or (_chat(row["prompt"], "prompt") if row.get("prompt") is not None else None))
+    if why:
+        return why
+    for key, msgs in (("chosen", chosen), ("rejected", rejected)):
+        if SHAREGPT_ROLES[msgs[-1]["role"]] != "assistant":
+            return f"field '{key}' must end with an assistant turn"
+    if row.get("prompt") is None and chosen[:-1] != rejected[:-1]:
+        return "'chosen' and 'rejected' must share every message but their last (or give the shared 'prompt')"
+    return None
+
+
 def check_row(row: dict, fmt: str) -> str | None:
     """Why `row` cannot be used as `fmt`, or None when it can."""
     if fmt == "tokens":
         return _tokens(row)
     if fmt == "text":
         return _text(row, "text")
+    if fmt == "preference":
+        return _preference(row)
     if fmt == "prompt_completion":
         if isinstance(row.get("prompt"), list):  # conversational prompt/completion (TRL's layout)
             return _chat(row["prompt"], "prompt") or _chat(row.get("completion"), "completion") or check_tools(row)

@@ -38,8 +38,10 @@ def _tokenizer_fingerprint(tok) -> list:
 def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec) -> dict:
     import jinja2
 
-    keys = ("input_ids", "labels", "where", "error", "row", "parts", "turns", "check")
+    keys = ("input_ids", "labels", "rejected_ids", "rejected_labels", "where", "error", "row", "parts", "turns",
+            "check")
     out = {k: [] for k in keys}
+    cut = spec.max_seq_len + 1
     for text, fmt, index in zip(batch["row"], batch["fmt"], indices):
         row = json.loads(text)
         try:
@@ -48,8 +50,9 @@ def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec) -> dict:
             examples, err = [{"input_ids": [], "labels": []}], str(e).splitlines()[0][:300] or type(e).__name__
         for ex in examples:
             # Stored up to one token past max_seq_len: enough to tell a row is too long, and the cache stays
-            # bounded per row whatever the row's size.
-            vals = (ex["input_ids"][: spec.max_seq_len + 1], ex["labels"][: spec.max_seq_len + 1],
+            # bounded per row whatever the row's size. Rejected ids are empty but for preference pairs.
+            vals = (ex["input_ids"][:cut], ex["labels"][:cut], ex.get("rejected_ids", [])[:cut],
+                    ex.get("rejected_labels", [])[:cut],
                     row.get("_where", "row"), err, index, len(examples), ex.get("turns", 0), ex.get("check", ""))
             for k, v in zip(keys, vals):
                 out[k].append(v)
@@ -132,17 +135,35 @@ def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict, voca
         if err:
             bad.add(ex["where"], err)
             continue
-        if len(ex["input_ids"]) > spec.max_seq_len:
+        pair = bool(ex.get("rejected_ids"))
+        if not pair:  # a preference pair's rejected side exists only in pairs
+            ex.pop("rejected_ids", None), ex.pop("rejected_labels", None)
+        if max(len(ex["input_ids"]), len(ex.get("rejected_ids", ()))) > spec.max_seq_len:
             if spec.overlong == "drop":
                 counts["dropped_overlong"] += 1
                 continue
             counts["truncated"] += 1
-            ex["input_ids"], ex["labels"] = ex["input_ids"][: spec.max_seq_len], ex["labels"][: spec.max_seq_len]
-        if all(t == IGNORE for t in ex["labels"][1:]):
+            for k in ("input_ids", "labels", "rejected_ids", "rejected_labels")[: 4 if pair else 2]:
+                ex[k] = ex[k][: spec.max_seq_len]
+        if all(t == IGNORE for t in ex["labels"][1:]) or (pair and all(t == IGNORE for t in ex["rejected_labels"][1:])):
             counts["no_trained_tokens"] += 1
             continue
         kept.append(i)
     return kept
+
+
+def check_method(prepared: "Prepared", method: str) -> None:
+    """Preference methods (dpo, orpo) train on preference pairs only, and sft on no pair: a mix would train
+    half the rows with a loss they were not written for."""
+    for what, examples in (("training", prepared.train), ("held-out", prepared.eval)):
+        pairs = sum(1 for e in examples if "rejected_ids" in e)
+        if method == "sft" and pairs:
+            raise RecipeError([f"data: {pairs} {what} rows are preference pairs (chosen/rejected); set "
+                               "train.method: dpo or orpo to train on them"])
+        if method != "sft" and pairs < len(examples):
+            first = next(e["where"] for e in examples if "rejected_ids" not in e)
+            raise RecipeError([f"data: train.method {method} needs preference rows (prompt, chosen, rejected); "
+                               f"{len(examples) - pairs} {what} rows are not, first: {first}"])
 
 
 # ----------------------------------------------------------------------------------- preparing
@@ -178,7 +199,8 @@ def _read_all(spec: DataSpec, bad: BadRows, rng: random.Random, vocab_size: int 
 
 
 def _check_templates(pairs, spec: DataSpec, tok):
-    chat = any(f in ("messages", "sharegpt") or (f == "prompt_completion" and isinstance(r.get("prompt"), list))
+    chat = any(f in ("messages", "sharegpt") or (f in ("prompt_completion", "preference", "auto")
+                                                 and isinstance(r.get("prompt", r.get("chosen")), list))
                for f, r in pairs)
     if chat and not chat_template(spec, tok):
         raise RecipeError(["data.chat_template: the data has chat rows but the tokenizer has no chat template; "

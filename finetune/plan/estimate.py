@@ -64,6 +64,7 @@ class Setup:
     loss_chunk_tokens: int = 0  # 0: automatic (finetune.plan.logits.chunk_rows)
     attn: str = "sdpa"
     device: str = "cuda"  # "cpu" plans a CPU run (no CUDA context; CPU dropout keeps a full-width mask)
+    method: str = "sft"  # train.method; dpo/orpo forward both sides of every pair at once (from_recipe)
 
     @property
     def world(self) -> int:
@@ -77,8 +78,12 @@ class Setup:
 def from_recipe(recipe) -> Setup:
     m, q, lo, t, d, f = recipe.model, recipe.quantization, recipe.lora, recipe.train, recipe.distributed, recipe.fsdp
     procs = d.num_processes or 1
-    return Setup(model=m.name, gpus=procs, machines=d.num_machines,
-                 seq_len=recipe.data.max_seq_len, micro_batch=t.micro_batch_size, lora_r=lo.r,
+    # A preference micro-batch of N pairs is one forward of 2N sequences (chosen and rejected together), so
+    # activations and the loss path are planned for 2N; DPO's reference forward is a no-grad pass before the
+    # first step (train.refpolicy), which keeps no activations and so never exceeds a training step.
+    sequences = t.micro_batch_size * (1 if t.method == "sft" else 2)
+    return Setup(model=m.name, gpus=procs, machines=d.num_machines, method=t.method,
+                 seq_len=recipe.data.max_seq_len, micro_batch=sequences, lora_r=lo.r,
                  lora_targets=lo.target_modules, lora_expert_targets=lo.target_parameters, lora_dtype=lo.dtype,
                  lora_dropout=lo.dropout, quant=q.mode,
                  double_quant=q.double_quant, quant_storage=recipe.effective_quant_storage(),
@@ -243,25 +248,17 @@ def _shards(s: Setup) -> int:
 def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
     """Unsharded copies FSDP all-gathers: the current layer and the prefetched next one, and the root
     (embeddings, final norm, lm_head), which stays gathered from forward through backward."""
-    if s.strategy != "fsdp" or (shard == 1 and s.fsdp_version == 1):
-        return 0  # FSDP1 on one process runs NO_SHARD: nothing is gathered
+    if s.strategy != "fsdp" or (shard == 1 and s.fsdp_version == 1):  # FSDP1 alone: NO_SHARD, no copies
+        return 0
     consts = w["quant_constants"] if s.quant_state_sharded else 0  # gathered with their weight
     per_layer = (layer_weight_bytes(w) + w["lora"] + consts) // arch.layers
     keep_all = s.reshard_after_forward is False or s.sharding == "SHARD_GRAD_OP"
     layers = arch.layers if keep_all else 2
     grads = 2 * w["lora"] // arch.layers  # unsharded gradients before reduce-scatter
-    if s.fsdp_version == 2 and not s.offload:
-        # FSDP2 leaves the frozen embedding and head whole on every rank (train.parallel.replicated_modules):
-        # the root gathers only the final norm. FSDP2 all-gathers into buffers of their own even on one
-        # process (measured on an H200 before the tables were replicated: the gathered head, 0.98 GiB).
-        return layers * per_layer + grads
+    if s.fsdp_version == 2 and not s.offload:  # tables whole on every rank (parallel.replicated_modules)
+        return layers * per_layer + grads  # FSDP2 gathers into buffers of their own, on one process too
     local = 0 if s.offload else w["unquantized"] // shard  # the local shard is already counted on the GPU
     return layers * per_layer + grads + w["unquantized"] - local
-
-
-def _tables(arch: Arch, s: Setup) -> int:
-    """Bytes of the input embedding and output head (one table when tied)."""
-    return arch.vocab * arch.hidden * (1 if arch.tied else 2) * DTYPE_BYTES[s.model_dtype]
 
 
 def _embedding_on_cpu(arch: Arch, s: Setup) -> int:
@@ -286,7 +283,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     bd["quant_constants"] = -(-w["quant_constants"] // shard) if s.quant_state_sharded else w["quant_constants"]
     bd["unquantized"] = on_gpu * -(-(w["unquantized"] - _embedding_on_cpu(arch, s)) // shard)
     if s.strategy == "fsdp" and s.fsdp_version == 2 and not s.offload:  # frozen tables whole on every rank
-        tables = _tables(arch, s)
+        tables = arch.vocab * arch.hidden * (1 if arch.tied else 2) * DTYPE_BYTES[s.model_dtype]
         bd["unquantized"] = on_gpu * (tables + -(-(w["unquantized"] - tables) // shard))
     bd["lora"] = on_gpu * -(-w["lora"] // shard)
     grads = -(-w["lora"] // shard)
@@ -362,6 +359,11 @@ def _notes(p: Plan, w: dict):
     if "training_start" in p.cpu:
         p.notes.append("FSDP1 pins every shard (and a pinned gradient) before the first forward frees the unpinned "
                        "copy: training_start holds each shard three times")
+    if s.method != "sft":
+        p.notes.append(f"train.method {s.method}: each micro-batch of pairs runs as {s.micro_batch} sequences "
+                       "(chosen and rejected in one forward)"
+                       + ("; the reference log-probs are one no-grad pass before the first step" if s.method == "dpo"
+                          else ""))
     if s.device == "cuda" and s.attn == "eager":
         p.notes.append("eager attention keeps the seq_len x seq_len probabilities of every head")
     fit = p.fits()

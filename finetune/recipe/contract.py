@@ -90,6 +90,10 @@ def _training_problems(r) -> list[Problem]:
         out.append(Problem(level="error", path="train.warmup_steps",
                            message=f"{t.warmup_steps} warmup steps leave no training in {t.max_steps} max_steps",
                            fix="lower train.warmup_steps"))
+    if t.method != "sft" and r.data.packing:
+        out.append(Problem(level="error", path="data.packing",
+                           message=f"train.method {t.method} scores each answer as one sequence; packing mixes them",
+                           fix="set data.packing: false"))
     if isinstance(lo.target_modules, list) and any(n in ("lm_head", "embed_tokens") for n in lo.target_modules) \
             and four_bit:
         out.append(Problem(level="warning", path="lora.target_modules",

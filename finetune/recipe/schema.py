@@ -100,6 +100,11 @@ class LoraSpec(_Section):
     """Which biases train."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the trainable adapter weights; float32 keeps master weights exact under bf16 autocast."""
+    init_adapter: str | None = None
+    """Start from an existing adapter instead of fresh weights: a PEFT adapter directory such as an earlier
+    run's `RUN_DIR/adapter` (e.g. SFT, then DPO from it). Its rank and target modules must be this
+    section's: every adapter weight is loaded, nothing is left fresh. With `train.method: dpo` the
+    reference policy is this starting adapter. Null: fresh adapters (B = 0, so the model starts as the base)."""
 
     @field_validator("target_modules")
     @classmethod
@@ -109,7 +114,8 @@ class LoraSpec(_Section):
         return v
 
 
-DataFormat = Literal["auto", "text", "prompt_completion", "instruction", "messages", "sharegpt", "tokens"]
+DataFormat = Literal["auto", "text", "prompt_completion", "instruction", "messages", "sharegpt", "tokens",
+                     "preference"]
 
 
 class DataSource(_Section):
@@ -163,6 +169,18 @@ class DataSpec(_Section):
 
 
 class TrainSpec(_Section):
+    method: Literal["sft", "dpo", "orpo"] = "sft"
+    """sft: next-token loss on the trained tokens. dpo: Direct Preference Optimization (sigmoid loss) on
+    preference rows (`prompt`, `chosen`, `rejected`), against the starting policy as the reference, whose
+    log-probs are computed once before the first step and kept in RUN_DIR/reference. orpo: Odds Ratio
+    Preference Optimization (no reference): the SFT loss on the chosen answer plus `orpo_lambda` times the
+    odds-ratio term. Preference runs score the answer tokens only and do not pack."""
+    beta: float = Field(0.1, gt=0)
+    """DPO: the inverse temperature of the implicit reward beta x (log pi - log pi_ref)."""
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)
+    """DPO: the assumed share of pairs whose preference is flipped (conservative DPO); 0: plain DPO."""
+    orpo_lambda: float = Field(0.1, gt=0)
+    """ORPO: the weight of the odds-ratio term beside the SFT loss on the chosen answer."""
     seed: int = Field(42, ge=0, le=SEED_MAX)
     """Seed for adapter init, dropout and everything else random in training, 0 to 2^32-1."""
     micro_batch_size: int = Field(4, ge=1)

@@ -88,6 +88,9 @@ def trains_chat(recipe) -> bool:
 def _prompt(row: dict):
     """(prompt, expected answer) of a held-out row: a text prompt, or the messages before a chat's last
     assistant turn; None for rows without one (text)."""
+    if "chosen" in row and "rejected" in row:  # a preference pair: its chosen answer is the expected one
+        prompt, chosen, _ = encode.pair_prompt(row)
+        return prompt, chosen if isinstance(chosen, str) else chosen[-1]["content"]
     chat = encode.last_turn(row)
     if chat:
         return chat
@@ -156,18 +159,50 @@ def heldout_loss(model, examples, recipe) -> float:
     return total / max(count, 1)
 
 
+def preference_metrics(model, examples, recipe) -> dict:
+    """The policy's own preference on held-out pairs, which needs no reference model: the share of pairs whose
+    chosen answer gets the higher summed log-prob (preference_accuracy) and the mean of chosen minus rejected
+    summed log-probs (preference_margin)."""
+    from finetune.train.preference import eval_totals
+
+    device = model_device(model)
+    batches = batching.batches(examples, recipe.train.micro_batch_size, 0, False, recipe.data.max_seq_len)
+    spec = recipe.train.model_copy(update={"method": "orpo"})  # the reference-free statistics
+    totals = eval_totals(model, batches, device.type, spec, recipe.eval.max_batches, device)
+    pairs = max(totals.get("pairs", 0.0), 1.0)
+    return {"preference_accuracy": totals.get("prefers", 0.0) / pairs,
+            "preference_margin": totals.get("logp_margin", 0.0) / pairs}
+
+
+def _scores(model, tok, prepared, recipe, prefix: str = "") -> dict:
+    """Held-out loss (of the chosen answers, for pairs), exact match and, for pairs, preference_metrics."""
+    n, mnt = recipe.eval.exact_match_samples, recipe.eval.max_new_tokens
+    template = encode.chat_template(recipe.data, tok)
+    pairs = [e for e in prepared.eval if "rejected_ids" in e]
+    chosen = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in prepared.eval]
+    res = {"eval_loss": heldout_loss(model, chosen, recipe),
+           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt, template)}
+    if pairs:
+        res.update(preference_metrics(model, pairs, recipe))
+    return {prefix + k: v for k, v in res.items()}
+
+
 def run_eval(run_dir: Path) -> dict:
+    """The run's adapter against the base on the held-out rows; a run that started from an adapter
+    (lora.init_adapter, e.g. DPO after SFT) is also scored with that starting adapter (start_*)."""
     recipe, tok, model = load_run(run_dir)
     prepared = prepare(recipe.data, tok, vocab_size(recipe.model.name))
     if not prepared.eval:
         raise RecipeError(["data: no held-out rows; set data.eval_sources or data.eval_split > 0"])
-    n, mnt = recipe.eval.exact_match_samples, recipe.eval.max_new_tokens
-    template = encode.chat_template(recipe.data, tok)
-    res = {"eval_loss": heldout_loss(model, prepared.eval, recipe),
-           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt, template)}
+    res = _scores(model, tok, prepared, recipe)
     with model.disable_adapter():
-        res["base_eval_loss"] = heldout_loss(model, prepared.eval, recipe)
-        res["base_exact_match"] = exact_match(model, tok, prepared.eval_rows, n, mnt, template)
+        res.update(_scores(model, tok, prepared, recipe, "base_"))
+    start = recipe.lora.init_adapter
+    if start and (Path(start) / "adapter_model.safetensors").exists():
+        model.load_adapter(start, adapter_name="start")
+        model.set_adapter("start")
+        res.update(_scores(model, tok, prepared, recipe, "start_"))
+        model.set_adapter("default")
     res["eval_rows"] = len(prepared.eval)
     res["perplexity"] = float(torch.exp(torch.tensor(res["eval_loss"])))
     return res

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from finetune.data import batching
+from finetune.data.prepare import check_method
 from finetune.data.prepare import prepare as prepare_data
 from finetune.plan.archs import vocab_size
 from finetune.plan.attention import CPU_MATH_ATTENTION_MAX_LEN, cpu_math_kernel_possible
@@ -30,8 +31,10 @@ from finetune.train.gather import gather_full_adapter_state
 from finetune.train.keepers import checkpoint, runlock
 from finetune.train.keepers.metrics import Metrics
 from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
-from finetune.train.lora import apply_lora, enable_checkpointing, trainable_report
+from finetune.train.lora import apply_lora, enable_checkpointing, load_adapter_into, trainable_report
 from finetune.train.loss import loss_totals, setup_forward
+from finetune.train.preference import eval_totals
+from finetune.train.refpolicy import attach_reference
 from finetune.train.keepers.memory import PhaseMemory
 from finetune.train.keepers.memory import table as memory_table
 from finetune.train.keepers.memory import tracker_values
@@ -74,6 +77,7 @@ class Run:
     memory: object = None  # finetune.train.keepers.memory.PhaseMemory
     offload: object = None  # the activation-offloading context of every training forward (None: off)
     host_group: object = None  # parallel.host_group: host-side agreement beside a GPU process group
+    step_stats: dict | None = None  # a preference step's rewards, margin, accuracy (train.preference)
 
     @property
     def ckpt_root(self) -> Path:
@@ -114,6 +118,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         fill_shards(run.model, plan)  # FSDP: every rank streams its part of the base into its shards
         restore(run, resume_from)
         run.offload = setup_forward(run.model, recipe.model.activation_offloading)  # lean modules, offloading
+        attach_reference(run)  # DPO: the starting policy's log-probs of every pair, once (train.refpolicy)
     release_cached_memory()  # the load's transients stay out of the pool the steps draw from
     if run.acc.is_main_process:
         write_recipe(run_dir, recipe)
@@ -154,13 +159,12 @@ def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
                        if run.scaler.enabled else {})
             run.metrics.log(run.step, epoch=run.epoch, loss=round(loss, 6), lr=last["lr"],
                             grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
-                            tokens_per_s=rate.per_second(), **skipped)
+                            tokens_per_s=rate.per_second(), **skipped, **(run.step_stats or {}))
             rate.reset()
         guard.check_step(run, loss, grad_norm, lambda v: global_sum(run.acc, v))  # NaN/inf: stop, never save it
         if t.eval_every and run.step % t.eval_every == 0 and run.eval_batches:
             with mem.phase("eval"):
-                eval_loss = evaluate(run)
-            run.metrics.log(run.step, eval_loss=round(eval_loss, 6))
+                run.metrics.log(run.step, **rounded(evaluate(run)))
         with mem.phase("save"):
             stopped = save_or_stop(run, stop)
         if stopped:
@@ -177,8 +181,8 @@ def finish(run: Run, last: dict, return_model: bool) -> dict:
         final["skipped_steps"] = run.scaler.skipped
     if run.eval_batches:
         with mem.phase("eval"):
-            final["eval_loss"] = evaluate(run)
-        run.metrics.log(run.step, eval_loss=round(final["eval_loss"], 6))
+            final.update(evaluate(run))
+        run.metrics.log(run.step, **rounded({k: v for k, v in final.items() if k.startswith("eval_")}))
     with mem.phase("export"):
         export_adapter(run)
     memory = mem.write(run.run_dir, run.acc, run.recipe)
@@ -201,6 +205,11 @@ def setup(recipe: Recipe, run_dir: Path) -> Run:
     tok = load_tokenizer(recipe.model)
     with acc.local_main_process_first():  # builtin assets and data caches are built once per node
         prepared = prepare_data(recipe.data, tok, vocab_size(recipe.model.name))
+    check_method(prepared, recipe.train.method)
+    start = recipe.lora.init_adapter
+    if start and not (Path(start) / "adapter_model.safetensors").exists():  # before any weights load
+        raise RecipeError([f"lora.init_adapter: {start} holds no adapter_model.safetensors (an earlier run's "
+                           "RUN_DIR/adapter; train that run first)"])
     return Run(recipe, run_dir, acc, tok, prepared, host_group=host_group(acc))
 
 
@@ -210,6 +219,8 @@ def add_adapters(run: Run) -> None:
     recipe, acc, t = run.recipe, run.acc, run.recipe.train
     enable_checkpointing(run.model, recipe.model)
     run.model = apply_lora(run.model, recipe.lora, seed=t.seed)
+    if recipe.lora.init_adapter:  # start from an earlier run's adapter (a resume's checkpoint replaces it later)
+        load_adapter_into(run.model, Path(recipe.lora.init_adapter))
     attn = acc.unwrap_model(run.model).config._attn_implementation
     run.layout = batching.packing_layout(recipe.data.packing, attn)
     if attn == "sdpa" and cpu_math_kernel_possible(acc.device.type, t.mixed_precision):
@@ -229,7 +240,7 @@ def checkpoint_to_resume(run: Run) -> Path | None:
         checkpoint.clean_partial(run.ckpt_root)  # leftovers of an interrupted checkpoint write
         checkpoint.set_aside_damaged(run.ckpt_root)  # newer than the newest intact one: never resumed or pruned
     acc.wait_for_everyone()
-    resume_from = resolve_resume(run.recipe.train.resume, run.ckpt_root)
+    resume_from = checkpoint.resolve_resume(run.recipe.train.resume, run.ckpt_root)
     if resume_from is not None:
         run.resume_state = checkpoint.verify(resume_from)
         # A changed recipe (or process count, or data) is refused before anything is loaded into the model.
@@ -259,15 +270,25 @@ def held_out_batches(run: Run) -> list:
                             run.tok.pad_token_id, False, run.recipe.data.max_seq_len)
 
 
-def evaluate(run: Run) -> float:
-    """Mean held-out token loss (all ranks take part: a sharded model needs every rank's forward)."""
-    acc = run.acc
+def evaluate(run: Run) -> dict:
+    """{"eval_loss": mean held-out token loss} (all ranks take part: a sharded model needs every rank's
+    forward); for preference runs the mean pair loss, and the reward accuracy and margin."""
+    acc, t = run.acc, run.recipe.train
     run.model.eval()
-    total, count = loss_totals(run.model, run.eval_batches, acc.device.type, run.recipe.train,
+    if t.method != "sft":
+        totals = eval_totals(run.model, run.eval_batches, acc.device.type, t, run.recipe.eval.max_batches, acc.device)
+        run.model.train()
+        pairs = max(global_sum(acc, totals.get("pairs", 0.0)), 1.0)
+        return {f"eval_{k}": round(global_sum(acc, totals.get(k, 0.0)) / pairs, 6) for k in ("loss", "accuracy", "margin")}
+    total, count = loss_totals(run.model, run.eval_batches, acc.device.type, t,
                                run.recipe.eval.max_batches, device=acc.device)
     run.model.train()
     total, count = global_sum(acc, total), global_sum(acc, count)
-    return total / max(count, 1)
+    return {"eval_loss": total / max(count, 1)}
+
+
+def rounded(values: dict) -> dict:
+    return {k: round(v, 6) for k, v in values.items()}
 
 
 def save_or_stop(run: Run, stop: StopSignal) -> bool:
@@ -337,33 +358,6 @@ def plan_steps(recipe: Recipe, examples: list, world: int, layout: str | None) -
                            f"({t.gradient_accumulation_steps} micro-batches)"])
     total = t.max_steps or math.ceil(t.epochs * per_epoch / t.gradient_accumulation_steps)
     return per_epoch, total
-
-
-def resolve_resume(resume, ckpt_root: Path) -> Path | None:
-    if resume is False:
-        if checkpoint.latest(ckpt_root):
-            raise RecipeError([f"train.resume: false, but {ckpt_root} holds checkpoints; use another "
-                               "output.dir or resume: auto"])
-        return None
-    if resume in ("auto", True):
-        return checkpoint.latest(ckpt_root)
-    p = Path(resume)
-    why = checkpoint.problems(p) if (p / checkpoint.MANIFEST).exists() else "no manifest"
-    if why:
-        raise RecipeError([f"train.resume: {resume} is not a complete checkpoint directory ({why})"])
-    return p
-
-
-def load_adapter_into(model, adapter_dir: Path):
-    """Checkpointed adapter weights into the (not yet sharded) PeftModel; every key must match."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    result = set_peft_model_state_dict(model, load_file(str(adapter_dir / "adapter_model.safetensors")))
-    missing = [k for k in result.missing_keys if "lora_" in k]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(f"checkpoint adapter does not match the model: missing {missing[:3]}, "
-                           f"unexpected {list(result.unexpected_keys)[:3]}")
 
 
 def save_checkpoint(run: Run):

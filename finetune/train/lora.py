@@ -1,6 +1,8 @@
 """LoRA spec -> peft config; apply it; keep the trainable weights in the adapter dtype (fp32 by default)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from finetune.recipe import LoraSpec, ModelSpec
@@ -97,3 +99,16 @@ def enable_checkpointing(model, spec: ModelSpec):
     if spec.reentrant_checkpointing:
         # Reentrant checkpointing only builds a graph when an input requires grad.
         model.enable_input_require_grads()
+
+
+def load_adapter_into(model, adapter_dir: Path):
+    """Adapter weights (a checkpoint's, or lora.init_adapter's) into the (not yet sharded) PeftModel; every
+    key must match."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    result = set_peft_model_state_dict(model, load_file(str(adapter_dir / "adapter_model.safetensors")))
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"checkpoint adapter does not match the model: missing {missing[:3]}, "
+                           f"unexpected {list(result.unexpected_keys)[:3]}")

@@ -33,9 +33,6 @@ def setup_forward(model, activation_offloading: bool):
     return setup_offload(model, activation_offloading)
 
 
-BATCH_LOSS_KEYS = ("labels", "rows", "targets")
-
-
 def device_batch(batch: dict, device) -> dict:
     """`batch` ready for `token_loss_sum` on `device`, with everything that depends on the labels' values
     worked out on the host first, so that a training step never waits for the GPU (issue 30: one read per
@@ -63,23 +60,31 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec, offload=Non
     With `offload` (model.activation_offloading on CUDA: offload.setup_offload's context, made once at
     setup) the forward runs under it. Nothing here changes the model: the memory-lean modules are put in
     once, at setup (lean.apply). Callers run it, and its backward, inside `batch_kernels`."""
+    return token_losses(model, batch, device_type, train_spec, offload, reduction="sum")
+
+
+def token_losses(model, batch: dict, device_type: str, train_spec, offload=None, reduction: str = "none"):
+    """(the cross-entropy of every trained token, in row-major order of the batch's trained positions, [N];
+    or with reduction "sum" their sum, as `token_loss_sum` returns it; and N). Preference losses sum the
+    per-token values per sequence (finetune.train.preference). Only input_ids, attention_mask and
+    position_ids of the batch reach the model."""
     if "targets" not in batch:  # a caller that did not use device_batch: the same result, worked out here
         batch = device_batch(batch, batch["labels"].device)
     rows, targets = batch["rows"], batch["targets"]
-    inputs = {k: v for k, v in batch.items() if k not in BATCH_LOSS_KEYS}
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     base = unwrapped(model)
     offloading = offload() if offload is not None else contextlib.nullcontext()
     if chunkable(base):
-        with head_computes_loss(base, rows, targets, train_spec.loss_chunk_tokens) as called, \
+        with head_computes_loss(base, rows, targets, train_spec.loss_chunk_tokens, reduction) as called, \
                 autocast(train_spec, device_type), offloading:
-            loss = model(**inputs, use_cache=False).logits  # the head returned the summed loss
+            loss = model(**inputs, use_cache=False).logits  # the head returned the loss
         _check_head_called(base, called)
         return loss, targets.numel()
     with trained_rows_only(model, rows), autocast(train_spec, device_type), offloading:
         logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
     if logits.dim() != 2 or logits.size(0) != targets.numel():
         _check_head_called(base, [])
-    loss = F.cross_entropy(logits.float(), targets, reduction="sum")  # fp32 loss under bf16 autocast
+    loss = F.cross_entropy(logits.float(), targets, reduction=reduction)  # fp32 loss under bf16 autocast
     return loss, targets.numel()
 
 
@@ -119,9 +124,10 @@ def chunkable(base) -> bool:
 
 
 @contextlib.contextmanager
-def head_computes_loss(base, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
+def head_computes_loss(base, rows: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, reduction: str = "sum"):
     """While active, the model's output head returns the summed cross-entropy of the hidden states at
-    the flat positions `rows` (device_batch's) against `targets` instead of logits, computed chunk by chunk.
+    the flat positions `rows` (device_batch's) against `targets` instead of logits, computed chunk by chunk
+    (with reduction "none", each position's cross-entropy, [N]).
 
     The head module is still *called* by the model's own forward (only its `forward` is swapped for the
     instance): FSDP's hooks around the root (or around the head, if it is wrapped alone) gather its weight
@@ -134,7 +140,8 @@ def head_computes_loss(base, rows: torch.Tensor, targets: torch.Tensor, chunk_to
     def forward(hidden):
         called.append(True)
         size = chunk_tokens or chunk_rows(head.out_features)
-        return chunked_head_loss(trained_rows(hidden, rows), head.weight, head.bias, targets, size)
+        per_token = chunked_token_losses(trained_rows(hidden, rows), head.weight, head.bias, targets, size)
+        return per_token if reduction == "none" else per_token.sum()
 
     head.forward = forward
     try:
@@ -144,7 +151,13 @@ def head_computes_loss(base, rows: torch.Tensor, targets: torch.Tensor, chunk_to
 
 
 def chunked_head_loss(hidden, weight, bias, targets, rows: int) -> torch.Tensor:
-    """sum_i CE(hidden[i] @ weight.T + bias, targets[i]) over [N, h] `hidden`, `rows` rows at a time.
+    """sum_i CE(hidden[i] @ weight.T + bias, targets[i]) over [N, h] `hidden`, `rows` rows at a time
+    (`chunked_token_losses`, summed)."""
+    return chunked_token_losses(hidden, weight, bias, targets, rows).sum()
+
+
+def chunked_token_losses(hidden, weight, bias, targets, rows: int) -> torch.Tensor:
+    """[N]: CE(hidden[i] @ weight.T + bias, targets[i]) of each row of [N, h] `hidden`, `rows` rows at a time.
 
     The matmul runs in the compute dtype (autocast's when it is on, else the inputs'), each chunk's
     log-sum-exp in fp32, as the full-logits loss does. Nothing but the per-row log-sum-exp is saved
@@ -172,8 +185,8 @@ class _ChunkedHeadCE(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, rows, dtype):
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype)  # a no-op when the head is already stored in the compute dtype
-            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             lse = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
+            per_token = torch.empty(hidden.size(0), dtype=torch.float32, device=hidden.device)
             for s in range(0, hidden.size(0), rows):
                 logits = _chunk_logits(hidden[s:s + rows], w, bias, dtype).float()
                 picked = logits.gather(1, targets[s:s + rows, None]).squeeze(1)
@@ -181,14 +194,14 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 top = logits.amax(dim=-1, keepdim=True)
                 chunk_lse = logits.sub_(top).exp_().sum(dim=-1).log_().add_(top.squeeze(1))
                 lse[s:s + rows] = chunk_lse
-                total += (chunk_lse - picked).sum()
+                per_token[s:s + rows] = chunk_lse - picked
                 del logits
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
         ctx.rows, ctx.dtype = rows, dtype
-        return total
+        return per_token
 
     @staticmethod
-    def backward(ctx, grad_total):
+    def backward(ctx, grad_per_token):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         rows, dtype = ctx.rows, ctx.dtype
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -203,7 +216,7 @@ class _ChunkedHeadCE(torch.autograd.Function):
                 g = _chunk_logits(x, w, bias, dtype).float().sub_(lse[s:s + rows, None]).exp_()
                 idx = targets[s:s + rows, None]
                 g.scatter_add_(1, idx, torch.full(idx.shape, -1.0, dtype=g.dtype, device=g.device))
-                g.mul_(grad_total)
+                g.mul_(grad_per_token[s:s + rows, None])
                 g_c = g.to(dtype)
                 del g
                 if need_h:

@@ -14,22 +14,26 @@ import contextlib
 import torch
 
 from finetune.train.loss import batch_kernels, device_batch, token_loss_sum, trained_tokens
+from finetune.train.preference import pair_loss, pair_units, step_metrics
 from finetune.train.scaling import LossScaler
 
 
-def next_micro_batches(run) -> tuple[list[dict], int]:
+def next_micro_batches(run) -> tuple[list[dict], int, list[int]]:
     """(the next optimizer step's micro-batches on the device, their trained tokens on this rank, counted on
-    the host copies), going on to the next epoch at an epoch's end."""
-    micro, tokens = [], 0
+    the host copies, and for preference batches their [pairs, chosen tokens]), going on to the next epoch at
+    an epoch's end."""
+    micro, tokens, units = [], 0, [0, 0]
     while len(micro) < run.recipe.train.gradient_accumulation_steps:
         if run.cursor >= len(run.batches):
             run.epoch, run.cursor = run.epoch + 1, 0
             run.batches = run.epoch_batches()
         batch = run.batches[run.cursor]
         tokens += trained_tokens(batch)
+        if "ref_logps" in batch:
+            units = [u + v for u, v in zip(units, pair_units(batch))]
         micro.append(device_batch(batch, run.acc.device))
         run.cursor += 1
-    return micro, tokens
+    return micro, tokens, units
 
 
 def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] | None:
@@ -42,15 +46,22 @@ def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] |
     start = (run.epoch, run.cursor)
     # Gather this step's micro-batches first: the loss is normalised by the trained tokens of the
     # whole step on every rank, which must be known before the first backward.
-    micro, tokens = next_micro_batches(run)
+    micro, tokens, units = next_micro_batches(run)
     step_tokens = host_sum(run, tokens)
-    loss_total = None  # on the device until the end of the step
+    # Preference steps: the loss is a mean over the step's pairs (and ORPO's NLL over its chosen tokens).
+    norm = (host_sum(run, units[0]), host_sum(run, units[1])) if t.method != "sft" else None
+    loss_total, stats = None, {}  # on the device until the end of the step
     for i, b in enumerate(micro):
         last = i == len(micro) - 1
         with gradient_sync(run, last), batch_kernels(b, device_type, t):
-            loss_sum, _ = token_loss_sum(run.model, b, device_type, t, run.offload)
             # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
-            acc.backward(run.scaler.scale(loss_sum * acc.num_processes / step_tokens))
+            if norm is None:
+                loss_sum, _ = token_loss_sum(run.model, b, device_type, t, run.offload)
+                acc.backward(run.scaler.scale(loss_sum * acc.num_processes / step_tokens))
+            else:  # already divided by the step's pairs: loss_sum is this micro-batch's share of the mean
+                loss_sum, b_stats = pair_loss(run.model, b, device_type, t, run.offload, norm)
+                acc.backward(run.scaler.scale(loss_sum * acc.num_processes))
+                stats = {k: stats.get(k, 0) + v for k, v in b_stats.items()}
         loss_total = loss_sum.detach() if loss_total is None else loss_total + loss_sum.detach()
         # A preempted worker is killed ~30 s after SIGTERM; a whole step can take longer. Every rank asks
         # after every micro-batch (one scalar all-reduce over the host group, so all agree on where to stop).
@@ -66,24 +77,32 @@ def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] |
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    loss, grad_norm = read_step_values(acc, loss_total, grad_norm)
+    loss, grad_norm, sums = read_step_values(acc, loss_total, grad_norm, stats)
+    if norm is not None:
+        run.step_stats = step_metrics(sums)
+        return loss, grad_norm, step_tokens
     return loss / step_tokens, grad_norm, step_tokens
 
 
-def read_step_values(acc, loss_total: torch.Tensor, grad_norm) -> tuple[float, float | None]:
-    """(the step's loss summed over ranks, the gradient norm) as floats, in one device-to-host read. The
-    norm is already the same on every rank (clipping reduces it)."""
-    loss = loss_total.reshape(1).to(torch.float64)
+def read_step_values(acc, loss_total: torch.Tensor, grad_norm, sums: dict | None = None
+                     ) -> tuple[float, float | None, dict]:
+    """(the step's loss summed over ranks, the gradient norm, each of `sums` summed over ranks: a preference
+    step's statistics) as floats, in one reduce and one device-to-host read: the step's only wait for the
+    GPU (measured on an H200, benchmarks/syncs.py). The norm is already the same on every rank (clipping
+    reduces it)."""
+    keys = sorted(sums or {})
+    summed = torch.stack([loss_total.reshape(()).to(torch.float64)]
+                         + [torch.as_tensor(sums[k]).to(loss_total.device, torch.float64).reshape(()) for k in keys])
     if acc.num_processes > 1:
-        loss = acc.reduce(loss, reduction="sum")
-    values = [loss.reshape(())]
+        summed = acc.reduce(summed, reduction="sum")
+    values = [summed]
     if grad_norm is not None:
         from torch.distributed.tensor import DTensor
 
         norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else torch.as_tensor(grad_norm)
-        values.append(norm.to(loss.device, torch.float64).reshape(()))
-    read = torch.stack(values).tolist()
-    return read[0], (read[1] if grad_norm is not None else None)
+        values.append(norm.to(summed.device, torch.float64).reshape(1))
+    read = torch.cat(values).tolist()
+    return read[0], (read[-1] if grad_norm is not None else None), dict(zip(keys, read[1:1 + len(keys)]))
 
 
 def gradient_sync(run, last: bool):

@@ -87,6 +87,40 @@ def dataset_dir() -> Path:
     return _atomic_build(cache_root() / f"tiny-instruct-{VERSION}", build)
 
 
+# builtin:tiny-preference: the rejected answer is a plausible mistake, the answer of a neighbouring task on the
+# same words, so a pair differs only in what the instruction asked for.
+WRONG = {
+    "reverse": lambda w: w,  # the words as given, not reversed
+    "first": lambda w: w[1:2],
+    "second": lambda w: w[:1],
+    "last": lambda w: w[-2:-1],
+}
+
+
+PREFERENCE_VERSION = 2  # bump when the preference set changes (2: all 4000 training rows, not 1000)
+
+
+def preference_row(row: dict) -> dict:
+    """A tiny-instruct row as a preference pair: chosen = its right answer, rejected = WRONG's."""
+    task, words = row["prompt"].split(":", 1)
+    return {"prompt": row["prompt"], "chosen": row["completion"], "rejected": " ".join(WRONG[task](words.split()))}
+
+
+def preference_dir() -> Path:
+    """builtin:tiny-preference: train.jsonl (4000 pairs, from tiny-instruct's training rows) and eval.jsonl (the
+    200 held-out prompts of tiny-instruct's eval split, so an SFT run on tiny-instruct never saw them)."""
+    source = dataset_dir()
+
+    def build(tmp: Path):
+        for name, limit in (("train", 4000), ("eval", 200)):
+            rows = [json.loads(line) for line in (source / f"{name}.jsonl").read_text().splitlines()[:limit]]
+            with open(tmp / f"{name}.jsonl", "w") as f:
+                for r in rows:
+                    f.write(json.dumps(preference_row(r)) + "\n")
+
+    return _atomic_build(cache_root() / f"tiny-preference-{VERSION}-{PREFERENCE_VERSION}", build)
+
+
 ASSETS = Path(__file__).parent / "assets"
 def model_dir() -> Path:
     """builtin:tiny-llama: 4 layers, hidden 256, GQA 4/2 heads, ~2.6M parameters, shipped in the package
@@ -99,7 +133,7 @@ def model_dir() -> Path:
 
 
 BUILTIN_MODELS = {"builtin:tiny-llama": model_dir}
-BUILTIN_DATASETS = {"builtin:tiny-instruct": dataset_dir}
+BUILTIN_DATASETS = {"builtin:tiny-instruct": dataset_dir, "builtin:tiny-preference": preference_dir}
 
 
 def builtin_dir(name: str, what: str = "model.name", kind: str = "model") -> Path:

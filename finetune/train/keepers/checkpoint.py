@@ -23,7 +23,7 @@ from safetensors.torch import save as safetensors_bytes
 from finetune.recipe import fingerprint as fp
 from finetune.util import atomic
 from finetune.util.digest import file_sha256
-from finetune.util.errors import explain
+from finetune.util.errors import RecipeError, explain
 from finetune.util.log import log
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -228,3 +228,19 @@ def compare_fingerprint(state: dict, current: dict, path: Path, run_dir: Path) -
     is compared even for manifests written before fingerprints existed."""
     stored = {**state.get("fingerprint", {}), "processes": json.dumps(state["world_size"])}
     return fp.compare(stored, current, f"checkpoints/{path.name}", str(run_dir))
+
+
+def resolve_resume(resume, ckpt_root: Path) -> Path | None:
+    """The checkpoint `train.resume` names: None for a fresh run, the newest for auto, or the path given."""
+    if resume is False:
+        if latest(ckpt_root):
+            raise RecipeError([f"train.resume: false, but {ckpt_root} holds checkpoints; use another "
+                               "output.dir or resume: auto"])
+        return None
+    if resume in ("auto", True):
+        return latest(ckpt_root)
+    p = Path(resume)
+    why = problems(p) if (p / MANIFEST).exists() else "no manifest"
+    if why:
+        raise RecipeError([f"train.resume: {resume} is not a complete checkpoint directory ({why})"])
+    return p

@@ -1,0 +1,127 @@
+"""Preference tuning (train.method dpo | orpo) through the real loop: 2-process FSDP over gloo against one
+process, SIGKILL mid-run then the same command (resumes to the uninterrupted result, reference log-probs
+reused from the run dir), and no second copy of the 4-bit base in a DPO run."""
+import gc
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ..conftest import ROOT
+from .procs import alive, exit_code_of, fork_cli, metrics, wait_pid
+from .test_fsdp_train import COMMON, STRICT, launch, single_run
+
+pytestmark = [pytest.mark.slow]
+
+PREF = ["data.sources=[{path: builtin:tiny-preference}]", "data.eval_sources=[]", "data.eval_split=0.02",
+        "data.max_samples=200", "train.beta=0.5"]
+
+
+def pref_metrics(run_dir):
+    return [r for r in metrics(run_dir) if "loss" in r]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("method,version", [("dpo", 2), ("orpo", 2), ("dpo", 1)])
+def test_two_process_fsdp_matches_one_process(tmp_path, tmp_path_factory, method, version):
+    extra = STRICT + PREF + [f"train.method={method}", "model.gradient_checkpointing=true"]
+    single = single_run(tmp_path_factory, extra + ["train.save_every=null"])
+    run = tmp_path / "fsdp"
+    log = launch(run, version, extra)
+    assert f"fsdp: FSDP{version} over gloo, 2 processes" in log
+    ref, got = pref_metrics(single), pref_metrics(run)
+    assert len(got) == len(ref) == 20
+    for key in ("loss", "rewards_chosen", "rewards_rejected", "margin"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], abs=1e-2), key
+    if method == "orpo":  # DPO's rewards stay ~1e-6 under STRICT's tiny updates: their sign is rounding there
+        assert [r["accuracy"] for r in got] == pytest.approx([r["accuracy"] for r in ref], abs=0.07)
+    if method == "dpo":  # the reference log-probs, computed in blocks over both ranks, are one process's
+        a = json.loads((single / "reference" / "logps.json").read_text())["train"]
+        b = json.loads((run / "reference" / "logps.json").read_text())["train"]
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-3)
+
+
+@pytest.mark.distributed
+def test_two_process_ddp_matches_one_process(tmp_path, tmp_path_factory):
+    extra = STRICT + PREF + ["train.method=dpo"]
+    single = single_run(tmp_path_factory, extra + ["train.save_every=null"])
+    run = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "-m", "finetune",
+           str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), "distributed.strategy=ddp", f"output.dir={run}", *COMMON, *extra]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    ref, got = pref_metrics(single), pref_metrics(run)
+    assert len(got) == len(ref) == 20
+    for key in ("loss", "rewards_chosen", "rewards_rejected", "margin"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], abs=1e-2), key
+
+
+DPO_STEPS, DPO_SAVE = 12, 5
+
+
+def dpo_command(run_dir):
+    return ["recipes/tiny_cpu.yaml", *PREF, "train.method=dpo", f"train.max_steps={DPO_STEPS}",
+            f"train.save_every={DPO_SAVE}", "train.log_every=1", "train.warmup_steps=2", "output.progress_bar=false",
+            f"output.dir={run_dir}"]
+
+
+def test_sigkill_mid_dpo_run_resumes_to_the_uninterrupted_result(tmp_path):
+    ref_run, run = tmp_path / "ref", tmp_path / "killed"
+    pid = fork_cli(dpo_command(ref_run), tmp_path / "ref.log")
+    assert wait_pid(pid, 600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
+
+    pid = fork_cli(dpo_command(run), tmp_path / "killed.log")
+    deadline = time.monotonic() + 600
+    while not (run / "checkpoints" / f"step-{DPO_SAVE}" / "trainer_state.json").exists():
+        assert alive(pid) and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_pid(pid, 60) == -signal.SIGKILL
+    stored = (run / "reference" / "logps.json").read_text()
+
+    pid = fork_cli(dpo_command(run), tmp_path / "rerun.log")
+    assert wait_pid(pid, 600) == 0, (tmp_path / "rerun.log").read_text()[-3000:]
+    text = (tmp_path / "rerun.log").read_text()
+    assert "resume: from" in text and "reference: log-probs" not in text  # reused, not recomputed
+    assert (run / "reference" / "logps.json").read_text() == stored
+    ref, got = pref_metrics(ref_run), pref_metrics(run)
+    assert [r["step"] for r in got] == list(range(1, DPO_STEPS + 1))
+    for key in ("loss", "margin", "accuracy"):
+        assert [r[key] for r in got] == pytest.approx([r[key] for r in ref], rel=1e-4, abs=1e-6), key
+    a, b = (load_file(str(d / "adapter" / "adapter_model.safetensors")) for d in (ref_run, run))
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+
+
+def test_a_dpo_run_holds_one_copy_of_the_4bit_base(tmp_path, monkeypatch):
+    """Counted while the reference log-probs are computed and at every step: the 4-bit parameters alive in
+    the process are exactly those of the one model."""
+    import bitsandbytes as bnb
+
+    from finetune.recipe import load
+    from finetune.train import loop, refpolicy, step
+
+    counts = []
+
+    def count(fn):
+        def wrapper(*args, **kwargs):
+            gc.collect()
+            counts.append(sum(1 for o in gc.get_objects() if isinstance(o, bnb.nn.Params4bit)))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(refpolicy, "sequence_logps", count(refpolicy.sequence_logps))
+    monkeypatch.setattr(step, "pair_loss", count(step.pair_loss))
+    recipe = load(ROOT / "recipes" / "tiny_cpu.yaml", PREF + ["train.method=dpo", "train.max_steps=3",
+                                                            "train.warmup_steps=0", f"output.dir={tmp_path}"])
+    out = loop.train(recipe, tmp_path, return_model=True)
+    in_model = sum(1 for m in out["model"].modules() if isinstance(m, bnb.nn.Linear4bit))
+    assert in_model == 4 * 7  # 4 layers x (q, k, v, o, gate, up, down)
+    assert counts and set(counts) == {in_model}, counts
+    assert (tmp_path / "reference" / "logps.json").exists()
