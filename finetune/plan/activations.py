@@ -46,7 +46,22 @@ def lora_linear_saved(tokens: int, d_in: int, d_out: int, r: int, s) -> int:
         total += tokens * d_in * (1 if s.device == "cuda" else DTYPE_BYTES[s.lora_dtype])
     if DTYPE_BYTES[s.lora_dtype] != cb:
         total += r * (d_in + d_out) * cb
+    if getattr(s, "use_dora", False):
+        # peft's DoRA output is (m / ||W + sBA|| - 1) * base_out + (m / ||.||) * s * lora_out: the magnitude's
+        # gradient keeps both outputs (the norm itself is detached, so nothing of W is kept).
+        total += 2 * tokens * d_out * cb
     return total
+
+
+def dora_workspace_bytes(arch: Arch, s) -> int:
+    """The transient of one DoRA layer's forward, largest adapted linear: peft builds B @ A by pushing an
+    identity [in, in] (adapter dtype) through A and B, then takes the column norms of the dequantized weight
+    plus that update (adapter-dtype product, its compute-dtype copy, the dequantized weight and the sum)."""
+    if not getattr(s, "use_dora", False):
+        return 0
+    lb, cb = DTYPE_BYTES[s.lora_dtype], MP_BYTES[s.mixed_precision]
+    return max((x.d_in * x.d_in * lb + x.d_in * x.d_out * (lb + 3 * cb) for x in targeted(arch, s.lora_targets)),
+               default=0)
 
 
 def shared_lora_inputs(arch: Arch, s, t: int, names: set) -> int:

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from finetune.plan import loading
-from finetune.plan.activations import DTYPE_BYTES, MP_BYTES, activation_terms, targeted, targeted_experts
+from finetune.plan.activations import (DTYPE_BYTES, MP_BYTES, activation_terms, dora_workspace_bytes, targeted,
+                                       targeted_experts)
 from finetune.plan.archs import Arch, resolve
 from finetune.plan.pinned import fsdp1_start_extra_bytes, fsdp_offload_bytes
 from finetune.util.units import GiB, fmt
@@ -41,6 +42,7 @@ class Setup:
     lora_expert_targets: object = "auto"  # lora.target_parameters (MoE experts)
     lora_dtype: str = "float32"
     lora_dropout: float = 0.05
+    use_dora: bool = False  # DoRA: a magnitude per output row, saved outputs and a norm workspace
     quant: str = "nf4"
     double_quant: bool = True
     quant_storage: str = "float32"
@@ -80,7 +82,7 @@ def from_recipe(recipe) -> Setup:
     return Setup(model=m.name, gpus=procs, machines=d.num_machines,
                  seq_len=recipe.data.max_seq_len, micro_batch=t.micro_batch_size, lora_r=lo.r,
                  lora_targets=lo.target_modules, lora_expert_targets=lo.target_parameters, lora_dtype=lo.dtype,
-                 lora_dropout=lo.dropout, quant=q.mode,
+                 lora_dropout=lo.dropout, use_dora=lo.use_dora, quant=q.mode,
                  double_quant=q.double_quant, quant_storage=recipe.effective_quant_storage(),
                  model_dtype=m.dtype, mixed_precision=t.mixed_precision, optimizer=t.optimizer, strategy=d.strategy,
                  fsdp_version=f.version, sharding=f.sharding_strategy, reshard_after_forward=f.reshard_after_forward,
@@ -111,10 +113,12 @@ def quant_constant_bytes(numel: int, double_quant: bool, blocksize: int = 64) ->
 
 
 def lora_tensor_sizes(arch: Arch, s: Setup) -> list[int]:
-    """Element counts of every adapter tensor (A: r x in, B: out x r) in the whole model."""
+    """Element counts of every adapter tensor (A: r x in, B: out x r, DoRA magnitude: out) in the whole model."""
     sizes = []
     for x in targeted(arch, s.lora_targets):
         sizes += [s.lora_r * x.d_in, x.d_out * s.lora_r] * x.count
+        if s.use_dora:  # DoRA's magnitude: one value per output row, trained like A and B
+            sizes += [x.d_out] * x.count
     for x in targeted_experts(arch, s):  # peft's ParamWrapper: one A [r*E, in] and one B [out, r*E]
         sizes += [s.lora_r * x.count * x.d_in, x.d_out * s.lora_r * x.count]
     return sizes * arch.layers
@@ -287,6 +291,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     bd["fsdp_buffers"] = _fsdp_buffers(arch, s, w, shard)
     biggest = max(x.d_in * x.d_out for x in arch.linears())
     bd["dequant_workspace"] = biggest * MP_BYTES[s.mixed_precision] if s.quant != "none" else 0
+    bd["dora_workspace"] = dora_workspace_bytes(arch, s)
     if s.device == "cuda":
         p.overhead = {"allocator_slack": int(FRAGMENTATION * sum(bd.values())), "cuda_context": CUDA_CONTEXT,
                       "nccl": NCCL_BUFFERS if s.world > 1 else 0}
@@ -364,7 +369,7 @@ def render(p: Plan) -> str:
              + (f" (FSDP{s.fsdp_version}{', cpu offload' if s.offload else ''})" if s.strategy == "fsdp" else "")
              + f", micro-batch {s.micro_batch} x seq {s.seq_len}, checkpointing {'on' if s.checkpointing else 'off'}",
              f"GPU memory per device: {fmt(p.gpu_bytes_per_device)}"]
-    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.breakdown.items() if k != "framework_overhead"]
+    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.breakdown.items() if k != "framework_overhead" and (v or k != "dora_workspace")]
     if s.device == "cuda":
         o = p.overhead
         lines += [f"  = peak allocated     {fmt(p.allocated):>12}  (torch.cuda.max_memory_allocated)",

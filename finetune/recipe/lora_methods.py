@@ -39,3 +39,18 @@ def lora_method_problems(r) -> list[Problem]:
                            message="peft adapts fused MoE expert parameters without DoRA (ParamWrapper refuses "
                                    "use_dora)", fix="set lora.target_parameters: [] or lora.use_dora: false"))
     return out
+
+
+def describe_method(r) -> str:
+    """One line for `validate`: the adapter method and what it does to the scale and the learning rates."""
+    lo, lr = r.lora, r.train.learning_rate
+    parts = ["DoRA (magnitude per output row)" if lo.use_dora else "LoRA"]
+    if lo.use_rslora:
+        parts.append(f"rsLoRA scale alpha/sqrt(r) = {lo.alpha / lo.r ** 0.5:.4g}")
+    else:
+        parts.append(f"scale alpha/r = {lo.alpha / lo.r:.4g}")
+    if lo.loraplus_lr_ratio is not None:
+        parts.append(f"LoRA+ ratio {lo.loraplus_lr_ratio:g}: A at lr {lr:.3g}, B"
+                     f"{' and magnitudes' if lo.use_dora else ''} at lr {lr * lo.loraplus_lr_ratio:.3g}")
+    parts.append(f"init {lo.init}")
+    return "adapter method: " + ", ".join(parts)
