@@ -68,19 +68,20 @@ def train_one(name: str, run_dir: Path, steps: int | None, fsdp: bool) -> dict:
     loaded = max(rank["phases"]["wrap"]["rss_after"] for rank in memory["ranks"])
     return {"method": name, "eval_loss": round(score["eval_loss"], 4), "exact_match": score["exact_match"],
             "tokens_per_s": round(sum(rates) / max(len(rates), 1), 1), "train_seconds": round(seconds, 1),
-            "peak_rss_mib": round(steps_peak / 2**20, 1), "steps_growth_mib": round((steps_peak - loaded) / 2**20, 1)}
+            "peak_rss_mib": round(steps_peak / 2**20, 1), "steps_growth_mib": round((steps_peak - loaded) / 2**20, 1),
+            "load_average": common.load_average()}  # the machine's 1-minute load: others' work skews tokens/s
 
 
 def table(rows: list[dict]) -> str:
     """The rows as a markdown table, each loss also relative to plain LoRA's."""
     base = next((r["eval_loss"] for r in rows if r["method"] == "lora"), None)
     lines = ["| method | eval loss | vs LoRA | exact match | tokens/s | train time (s) | peak RSS, steps (MiB) "
-             "| growth over the loaded model (MiB) |", "|---|---|---|---|---|---|---|---|"]
+             "| growth over the loaded model (MiB) | load avg |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         rel = f"{100 * (r['eval_loss'] / base - 1):+.1f}%" if base else "-"
         lines.append(f"| {r['method']} | {r['eval_loss']:.4f} | {rel} | {r['exact_match']:.3f} | "
                      f"{r['tokens_per_s']:.0f} | {r['train_seconds']:.0f} | {r['peak_rss_mib']:.0f} | "
-                     f"{r['steps_growth_mib']:.0f} |")
+                     f"{r['steps_growth_mib']:.0f} | {r['load_average']} |")
     return "\n".join(lines)
 
 

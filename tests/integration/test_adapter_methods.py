@@ -35,12 +35,23 @@ def tiny(tmp_path, name, lora: dict):
     })
 
 
+class _Runs(dict):
+    """{method: (run dir, final result with the trained model)}, each method trained on first use only, so
+    a test that needs one method does not pay for all four."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name):
+        self[name] = (self.root / name, train(tiny(self.root, name, METHODS[name]), self.root / name,
+                                              return_model=True))
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Every method, trained once: {name: (run dir, final result with the trained model)}."""
-    root = tmp_path_factory.mktemp("methods")
-    return {name: (root / name, train(tiny(root, name, lora), root / name, return_model=True))
-            for name, lora in METHODS.items()}
+    return _Runs(tmp_path_factory.mktemp("methods"))
 
 
 @pytest.mark.parametrize("name", [m for m in METHODS if m != "lora"])
