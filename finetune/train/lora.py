@@ -5,7 +5,7 @@ import torch
 
 from finetune.recipe import LoraSpec, ModelSpec
 from finetune.train.dora import add_dora
-from finetune.util.errors import Problem, RecipeError
+from finetune.util.errors import RecipeError
 from finetune.util.dtypes import torch_dtype
 from finetune.weights.portable import quiet_peft_wrap
 
@@ -78,11 +78,9 @@ def apply_lora(model, spec: LoraSpec, seed: int, plan=None):
 
     torch.manual_seed(seed)
     config = peft_config(spec, model)
-    if spec.use_dora and target_parameters(spec, model):
-        raise RecipeError([Problem(level="error", path="lora.use_dora",
-                                   message="this model has fused MoE expert parameters, which peft adapts "
-                                           "without DoRA (ParamWrapper refuses use_dora)",
-                                   fix="set lora.target_parameters: [] or lora.use_dora: false")])
+    if spec.use_dora and config.target_parameters:  # preflight refuses it first; a direct caller gets this
+        raise RecipeError(["lora.use_dora: peft adapts fused MoE expert parameters without DoRA. Fix: set "
+                           "lora.target_parameters: [] or lora.use_dora: false"])
     streamed_dora = spec.use_dora and plan is not None
     if streamed_dora:
         config.use_dora = False  # peft would read placeholders: add_dora makes DoRA weight by weight

@@ -111,6 +111,21 @@ def test_dora_layer_check_passes_for_big_models(trained, tmp_path):
     assert result["kind"] == "layer" and result["status"] == "passed" and result["rel_diff"] <= 1e-4
 
 
+def _launch_dora(run, version: int, *extra: str) -> float:
+    """DoRA on 2 processes under FSDP `version`, launched as users launch; the last held-out loss."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "cpu_fsdp.yaml"),
+           "--fsdp_version", str(version), "--num_processes", "2", "-m", "finetune",
+           str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), f"fsdp.version={version}", f"output.dir={run}",
+           f"train.max_steps={STEPS}", "train.warmup_steps=4", f"train.save_every={STEPS}", "data.max_samples=512",
+           "output.progress_bar=false", "lora.use_dora=true", *extra]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert json.loads((run / "adapter" / "adapter_config.json").read_text())["use_dora"]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval_loss"] for r in rows if "eval_loss" in r][-1]
+
+
 @pytest.mark.distributed
 def test_dora_under_fsdp2_trains_like_plain_lora_and_reloads_in_peft(trained, tmp_path):
     """2 processes, FSDP2, 8-bit sharded AdamW, DoRA with LoRA+: the magnitudes are made from the streamed
@@ -118,17 +133,17 @@ def test_dora_under_fsdp2_trains_like_plain_lora_and_reloads_in_peft(trained, tm
     from finetune.train.inference import run_eval
 
     run = tmp_path / "fsdp2-dora"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "cpu_fsdp.yaml"),
-           "--num_processes", "2", "-m", "finetune", str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"),
-           f"output.dir={run}", f"train.max_steps={STEPS}", "train.warmup_steps=4", f"train.save_every={STEPS}",
-           "data.max_samples=512", "output.progress_bar=false", "lora.use_dora=true", "lora.loraplus_lr_ratio=2"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    sharded = [r["eval_loss"] for r in rows if "eval_loss" in r][-1]
+    sharded = _launch_dora(run, 2, "lora.loraplus_lr_ratio=2")
     assert sharded <= 1.10 * trained["lora"][1]["eval_loss"]
-    cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
-    assert cfg["use_dora"]
     reloaded = run_eval(run)  # plain peft over the 4-bit base, on one process
     assert reloaded["eval_loss"] == pytest.approx(sharded, rel=1e-3)
+
+
+@pytest.mark.distributed
+def test_dora_under_fsdp1_trains_and_reloads_in_peft(tmp_path):
+    """FSDP1 flattens each wrapped layer (magnitudes included, fp32 like the fp32 base of this recipe)."""
+    from finetune.train.inference import run_eval
+
+    run = tmp_path / "fsdp1-dora"
+    sharded = _launch_dora(run, 1)
+    assert run_eval(run)["eval_loss"] == pytest.approx(sharded, rel=1e-3)

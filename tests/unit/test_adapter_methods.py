@@ -110,3 +110,12 @@ def test_planner_counts_dora_magnitudes_outputs_and_workspace():
     assert dora.breakdown["activations"] > plain.breakdown["activations"]
     assert plain.breakdown["dora_workspace"] == 0 < dora.breakdown["dora_workspace"]
     assert dora.gpu_bytes_per_device > plain.gpu_bytes_per_device
+
+
+def test_validate_refuses_dora_on_adapted_moe_experts(capsys):
+    """The experts' adapters are peft's ParamWrapper, which has no DoRA: refused before anything loads."""
+    assert cli.main(["validate", "recipes/mixtral_8x7b_qlora.yaml", "lora.use_dora=true"]) == 2
+    out = capsys.readouterr().out
+    assert "lora.use_dora" in out and "lora.target_parameters: []" in out
+    assert cli.main(["validate", "recipes/mixtral_8x7b_qlora.yaml", "lora.use_dora=true",
+                     "lora.target_parameters=[]"]) == 0
