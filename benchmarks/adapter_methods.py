@@ -39,7 +39,7 @@ METHODS = {
 def _command(fsdp: bool) -> list[str]:
     if fsdp:
         return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(common.ROOT / "configs" / "cpu_fsdp.yaml"), "-m", "finetune",
+                str(common.ROOT / "configs" / "cpu_fsdp.yaml"), "--main_process_port", "0", "-m", "finetune",
                 str(common.ROOT / "recipes" / "tiny_cpu_fsdp.yaml")]
     return [sys.executable, "-m", "finetune", str(common.ROOT / "recipes" / "tiny_cpu.yaml")]
 

@@ -369,7 +369,8 @@ def render(p: Plan) -> str:
              + (f" (FSDP{s.fsdp_version}{', cpu offload' if s.offload else ''})" if s.strategy == "fsdp" else "")
              + f", micro-batch {s.micro_batch} x seq {s.seq_len}, checkpointing {'on' if s.checkpointing else 'off'}",
              f"GPU memory per device: {fmt(p.gpu_bytes_per_device)}"]
-    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.breakdown.items() if k != "framework_overhead" and (v or k != "dora_workspace")]
+    shown = {k: v for k, v in p.breakdown.items() if k != "framework_overhead" and (v or k != "dora_workspace")}
+    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in shown.items()]
     if s.device == "cuda":
         o = p.overhead
         lines += [f"  = peak allocated     {fmt(p.allocated):>12}  (torch.cuda.max_memory_allocated)",

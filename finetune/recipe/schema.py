@@ -111,9 +111,10 @@ class LoraSpec(_Section):
     rate itself (peft's LoRA+ grouping; the paper suggests 16). Null: one rate for all."""
     init: Literal["gaussian", "pissa", "olora", "loftq"] = "gaussian"
     """How A and B start. `gaussian`: today's start, A random (peft's default Kaiming-uniform draw) and B
-    zero, so training starts from the base exactly (the only one this round trains). `pissa`, `olora` and `loftq` start from the base's principal directions / a QR
-    factor / the 4-bit quantization error: they need the unquantized weights in memory and rewrite the base,
-    which the streamed 4-bit load never holds; `validate` refuses them with the reason."""
+    zero, so training starts from the base exactly (the only one this round trains). `pissa`, `olora` and
+    `loftq` start from the base's principal directions / a QR factor / the 4-bit quantization error: they
+    need the unquantized weights in memory and rewrite the base, which the streamed 4-bit load never holds;
+    `validate` refuses them with the reason."""
 
     @field_validator("target_modules")
     @classmethod

@@ -114,7 +114,9 @@ def test_dora_layer_check_passes_for_big_models(trained, tmp_path):
 def _launch_dora(run, version: int, *extra: str) -> float:
     """DoRA on 2 processes under FSDP `version`, launched as users launch; the last held-out loss."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "cpu_fsdp.yaml"),
-           "--fsdp_version", str(version), "--num_processes", "2", "-m", "finetune",
+           "--fsdp_version", str(version), "--num_processes", "2",
+           "--main_process_port", "0",  # a free port: other runs on this machine may hold accelerate's 29500
+           "-m", "finetune",
            str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), f"fsdp.version={version}", f"output.dir={run}",
            f"train.max_steps={STEPS}", "train.warmup_steps=4", f"train.save_every={STEPS}", "data.max_samples=512",
            "output.progress_bar=false", "lora.use_dora=true", *extra]
