@@ -81,6 +81,12 @@ class _Merger:
         self.src, self.out_dtype = src, out_dtype
         self.adapter, self.by_weight = _adapter_pairs(src, infos)
         self.magnitudes = {f"{mod}.weight": key for mod, key in magnitude_keys(self.adapter.keys()).items()}
+        if src.adapter_config.get("use_dora") and len(self.magnitudes) < len(self.by_weight):
+            # Merged as plain LoRA, a DoRA adapter would be silently wrong: every layer needs its magnitude.
+            raise RecipeError([f"adapter_config.json says use_dora, but {len(self.by_weight) - len(self.magnitudes)}"
+                               f" of {len(self.by_weight)} adapted weights have no DoRA magnitude "
+                               "(lora_magnitude_vector) in adapter_model.safetensors: a damaged or mislabelled "
+                               "adapter"], "adapter")
         base_cfg = json.loads((src.base_dir / "config.json").read_text())
         self.n_experts = base_cfg.get("num_local_experts") or base_cfg.get("num_experts") or 0
         self.quant, self.four_bit = None, set()
