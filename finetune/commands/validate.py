@@ -18,6 +18,7 @@ def register(sub) -> None:
 
 def run(a) -> int:
     from finetune.commands.common import at_least_one
+    from finetune.recipe.lora_methods import describe_method
     from finetune.train.preflight import preflight, render
     from finetune.util.units import parse_size
 
@@ -30,6 +31,7 @@ def run(a) -> int:
     if problems:
         print(render(problems))
     print_adapted(r)
+    print(describe_method(r))
     warnings = len(problems) - errors
     print(f"{a.recipe}: {'FAILED' if errors else 'ok'} ({errors} error(s), {warnings} warning(s))")
     return 2 if errors else 0

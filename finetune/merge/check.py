@@ -145,7 +145,7 @@ def _layer_check(src, out_dir: Path, target: str, n_layers: int = 8) -> dict:
     """Big models: peft's LoRA Linear on the base weight vs the merged weight read back from disk."""
     from safetensors import safe_open
 
-    from finetune.merge.plan import pair_keys
+    from finetune.merge.plan import magnitude_keys, pair_keys
     from finetune.merge.source import base_tensors
 
     ad = safe_open(str(src.adapter_dir / "adapter_model.safetensors"), framework="pt")
@@ -155,12 +155,14 @@ def _layer_check(src, out_dir: Path, target: str, n_layers: int = 8) -> dict:
     pairs = [(m, ab) for m, ab in pair_keys(ad.keys()).items() if f"{m}.weight" in names]
     picked = [pairs[round(i * (len(pairs) - 1) / max(n_layers - 1, 1))] for i in range(min(n_layers, len(pairs)))]
     base_weight, merged_weight = _base_reader(src, target), _merged_reader(out_dir)
+    magnitudes = magnitude_keys(ad.keys())
     gen = torch.Generator().manual_seed(0)
     diff = scale = 0.0
     for module, (ka, kb) in picked:
         name = f"{module}.weight"
         w, a, b = base_weight(name), ad.get_tensor(ka).float(), ad.get_tensor(kb).float()
-        layer = _peft_layer(src.adapter_config, module, w, a, b)
+        m = ad.get_tensor(magnitudes[module]).float() if module in magnitudes else None
+        layer = _peft_layer(src.adapter_config, module, w, a, b, m)
         x = torch.randn(4, w.shape[1], generator=gen)
         with torch.no_grad():
             want, got = layer(x), x @ merged_weight(name).T
@@ -202,9 +204,11 @@ def _merged_reader(out_dir: Path):
     return read
 
 
-def _peft_layer(cfg: dict, module: str, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor):
+def _peft_layer(cfg: dict, module: str, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                magnitude: torch.Tensor | None = None):
     """peft's LoRA Linear around the base weight `w`: peft's own layer computes the scale (alpha/r or
-    rslora's alpha/sqrt(r)) and the A-then-B forward, independently of the arithmetic in merge.plan."""
+    rslora's alpha/sqrt(r)), the A-then-B forward and, given a `magnitude`, DoRA's rescaling by the
+    column norms, independently of the arithmetic in merge.plan."""
     from peft import LoraConfig
     from peft.tuners.lora.layer import Linear as LoraLinear
 
@@ -213,7 +217,11 @@ def _peft_layer(cfg: dict, module: str, w: torch.Tensor, a: torch.Tensor, b: tor
     alpha = lora_alpha(cfg, module)
     base = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
     base.weight.data = w.float()
-    lcfg = LoraConfig(r=a.shape[0], lora_alpha=alpha, lora_dropout=0.0, use_rslora=bool(cfg.get("use_rslora")))
-    layer = LoraLinear(base, "default", lcfg, r=a.shape[0], lora_alpha=alpha)
+    lcfg = LoraConfig(r=a.shape[0], lora_alpha=alpha, lora_dropout=0.0, use_rslora=bool(cfg.get("use_rslora")),
+                      use_dora=magnitude is not None)
+    layer = LoraLinear(base, "default", lcfg, r=a.shape[0], lora_alpha=alpha, use_rslora=lcfg.use_rslora,
+                       use_dora=lcfg.use_dora)
     layer.lora_A["default"].weight.data, layer.lora_B["default"].weight.data = a, b
+    if magnitude is not None:
+        layer.lora_magnitude_vector["default"].weight.data = magnitude
     return layer

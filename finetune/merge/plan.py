@@ -27,13 +27,13 @@ _BENIGN = {"task_type", "peft_type", "auto_mapping", "peft_version", "base_model
            "use_rslora", "rank_pattern", "alpha_pattern", "layers_to_transform", "layers_pattern",
            "megatron_core", "runtime_config", "qalora_group_size", "init_lora_weights", "loftq_config",
            "eva_config", "corda_config", "lora_ga_config", "bias", "ensure_weight_tying", "fan_in_fan_out",
-           "target_parameters"}  # LoRA on fused MoE expert parameters: folded by merge/experts.py
+           "target_parameters",  # LoRA on fused MoE expert parameters: folded by merge/experts.py
+           "use_dora"}  # DoRA: the magnitude rescales each merged row (merged_tensor)
 # These initialisations rewrite the *base* weights at init (residual = W - B0 A0), so the saved adapter
 # only makes sense on top of a base we do not have. (True/False/gaussian/eva/orthogonal leave the base
 # alone: their initial B @ A is zero.)
 _BASE_CHANGING_INIT = ("pissa", "olora", "corda", "loftq", "lora-ga", "lora_ga")
-_WHY = {"use_dora": "DoRA rescales each weight by a learned magnitude",
-        "lora_bias": "LoRA bias terms", "modules_to_save": "fully trained extra modules",
+_WHY = {"lora_bias": "LoRA bias terms", "modules_to_save": "fully trained extra modules",
         "trainable_token_indices": "trained token embeddings", "layer_replication": "replicated layers",
         "use_qalora": "QA-LoRA",
         "megatron_config": "Megatron parallel layers", "alora_invocation_tokens": "activated LoRA"}
@@ -57,11 +57,27 @@ def adapter_problems(cfg: dict) -> list[str]:
         out.append(f"bias={cfg['bias']!r}: trained biases are not supported (use bias: none)")
     if cfg.get("fan_in_fan_out"):
         out.append("fan_in_fan_out=True (Conv1D layers, GPT-2 style) is not supported")
+    if cfg.get("use_dora") and cfg.get("target_parameters"):
+        out.append("use_dora with target_parameters: peft trains fused expert parameters without DoRA, so this "
+                   "adapter was not made by peft; merge it with the tool that trained it")
     return out
 
 
 _PAIR = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.[^.]+)?\.weight$")
+# DoRA's magnitude: peft 0.21 saves `<module>.lora_magnitude_vector`; older files keep the adapter name
+# and the inner layer's `.weight`.
+_MAGNITUDE = re.compile(r"^(?P<module>.+)\.lora_magnitude_vector(?:\.[^.]+)?(?:\.weight)?$")
 _PREFIX = "base_model.model."
+
+
+def magnitude_keys(adapter_keys) -> dict[str, str]:
+    """Adapter tensor names -> {module name in the base: its DoRA magnitude key} (empty without DoRA)."""
+    found = {}
+    for key in adapter_keys:
+        m = _MAGNITUDE.match(key)
+        if m:
+            found[m["module"].removeprefix(_PREFIX)] = key
+    return found
 
 
 def pair_keys(adapter_keys) -> dict[str, tuple[str, str]]:
@@ -72,7 +88,10 @@ def pair_keys(adapter_keys) -> dict[str, tuple[str, str]]:
     """
     pairs: dict[str, dict[str, str]] = {}
     odd = []
+    magnitudes = magnitude_keys(adapter_keys)
     for key in adapter_keys:
+        if key in magnitudes.values():
+            continue
         m = _PAIR.match(key)
         if not m:
             odd.append(key)
@@ -83,10 +102,13 @@ def pair_keys(adapter_keys) -> dict[str, tuple[str, str]]:
     problems = []
     if odd:
         shown = ", ".join(odd[:3]) + (f" and {len(odd) - 3} more" if len(odd) > 3 else "")
-        problems.append(f"adapter tensors that are not LoRA A/B weights (DoRA magnitudes, embeddings, "
+        problems.append(f"adapter tensors that are not LoRA A/B weights or DoRA magnitudes (embeddings, "
                         f"saved modules?): {shown}")
     if half:
         problems.append(f"LoRA layers missing their A or B matrix: {', '.join(half[:3])}")
+    lone = sorted(set(magnitudes) - set(pairs))
+    if lone:
+        problems.append(f"DoRA magnitudes without LoRA A/B weights: {', '.join(lone[:3])}")
     if not pairs and not problems:
         problems.append("the adapter holds no LoRA weights")
     if problems:
@@ -185,9 +207,11 @@ def quant_roundtrip(w: torch.Tensor, q: QuantSpec) -> torch.Tensor:
 
 
 def merged_tensor(w: torch.Tensor, out_dtype: torch.dtype, delta: torch.Tensor | None = None,
-                  quant: QuantSpec | None = None, cast_to: torch.dtype | None = None) -> torch.Tensor:
+                  quant: QuantSpec | None = None, cast_to: torch.dtype | None = None,
+                  magnitude: torch.Tensor | None = None) -> torch.Tensor:
     """One output tensor. `cast_to`: the dtype training held this tensor in (nf4 target), `quant`: it was
-    4-bit during training. The sum is formed in fp32 and rounded once, to the output dtype."""
+    4-bit during training, `magnitude`: DoRA's learned norm of each output row. The sum is formed in fp32
+    and rounded once, to the output dtype."""
     if not w.is_floating_point():
         return w
     if quant is not None:
@@ -199,4 +223,18 @@ def merged_tensor(w: torch.Tensor, out_dtype: torch.dtype, delta: torch.Tensor |
             raise RecipeError([f"LoRA update of shape {tuple(delta.shape)} does not fit a weight of shape "
                                f"{tuple(w.shape)}"], "adapter")
         w = w.to(torch.float32) + delta
+    if magnitude is not None:
+        w = dora_rescale(w, magnitude)
     return w.to(out_dtype).contiguous()
+
+
+def dora_rescale(w: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """DoRA's merged weight from W + s B A: each output row scaled to its learned magnitude, m / ||row||,
+    as peft's DoRA forward and merge compute it. `w` is the base as the target says training held it (the
+    dequantized 4-bit weight for nf4), so the norms are the ones training divided by."""
+    if magnitude.shape != w.shape[:1]:
+        raise RecipeError([f"DoRA magnitude of shape {tuple(magnitude.shape)} does not fit a weight of shape "
+                           f"{tuple(w.shape)}"], "adapter")
+    w = w.to(torch.float32)
+    norm = torch.linalg.norm(w, dim=1)
+    return w * (magnitude.to(torch.float32) / norm).unsqueeze(1)

@@ -1,9 +1,9 @@
 """`finetune merge RUN_DIR`: fold a LoRA adapter into its base and write one servable model.
 
 Streaming by construction: the base is read one safetensors shard at a time (never the whole model,
-never 4-bit weights), each targeted weight gets (alpha/r) * B @ A added in fp32 and is rounded once to
-the output dtype, and output shards are written as they fill. Peak memory is about one input shard plus
-one output shard, whatever the model size (benchmarks/merge_rss.py measures it).
+never 4-bit weights), each targeted weight gets (alpha/r) * B @ A added in fp32 (and, for DoRA, each row
+rescaled to its learned magnitude) and is rounded once to the output dtype, and output shards are written
+as they fill. Peak memory is about one input shard plus one output shard, whatever the model size (benchmarks/merge_rss.py measures it).
 
 Targets: `original` adds the update to the base weights as published; `nf4` adds it to each weight as
 training saw it (cast to the recipe's model dtype, 4-bit quantized, dequantized), so the merged model
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from finetune.merge import experts
-from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, merged_tensor, pair_keys, plan_shards, scaling,
-                                 shard_names)
+from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, magnitude_keys, merged_tensor, pair_keys,
+                                 plan_shards, scaling, shard_names)
 from finetune.merge.output import apply_umask, clean_stale, output_dir, temp_dir, up_to_date, write_error
 from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
 from finetune.weights.portable import save_tokenizer
@@ -80,6 +80,13 @@ class _Merger:
     def __init__(self, src: Source, infos: list[TensorInfo], target: str, out_dtype: torch.dtype):
         self.src, self.out_dtype = src, out_dtype
         self.adapter, self.by_weight = _adapter_pairs(src, infos)
+        self.magnitudes = {f"{mod}.weight": key for mod, key in magnitude_keys(self.adapter.keys()).items()}
+        if src.adapter_config.get("use_dora") and len(self.magnitudes) < len(self.by_weight):
+            # Merged as plain LoRA, a DoRA adapter would be silently wrong: every layer needs its magnitude.
+            raise RecipeError([f"adapter_config.json says use_dora, but {len(self.by_weight) - len(self.magnitudes)}"
+                               f" of {len(self.by_weight)} adapted weights have no DoRA magnitude "
+                               "(lora_magnitude_vector) in adapter_model.safetensors: a damaged or mislabelled "
+                               "adapter"], "adapter")
         base_cfg = json.loads((src.base_dir / "config.json").read_text())
         self.n_experts = base_cfg.get("num_local_experts") or base_cfg.get("num_experts") or 0
         self.quant, self.four_bit = None, set()
@@ -95,9 +102,10 @@ class _Merger:
             self.handle, self.handle_name = safe_open(str(self.src.base_dir / t.source), framework="pt"), t.source
         delta = self._delta(t)
         quant = self.quant
+        mag = self.adapter.get_tensor(self.magnitudes[t.name]) if t.name in self.magnitudes else None
         return merged_tensor(self.handle.get_tensor(t.name), self.out_dtype, delta,
                              quant=quant if t.name in self.four_bit else None,
-                             cast_to=quant.dtype if quant is not None else None)
+                             cast_to=quant.dtype if quant is not None else None, magnitude=mag)
 
     def _delta(self, t: TensorInfo) -> torch.Tensor | None:
         name, how = t.name, self.by_weight.get(t.name)

@@ -46,7 +46,22 @@ def lora_linear_saved(tokens: int, d_in: int, d_out: int, r: int, s) -> int:
         total += tokens * d_in * (1 if s.device == "cuda" else DTYPE_BYTES[s.lora_dtype])
     if DTYPE_BYTES[s.lora_dtype] != cb:
         total += r * (d_in + d_out) * cb
+    if getattr(s, "use_dora", False):
+        # peft's DoRA output is (m / ||W + sBA|| - 1) * base_out + (m / ||.||) * s * lora_out: the magnitude's
+        # gradient keeps both outputs (the norm itself is detached, so nothing of W is kept).
+        total += 2 * tokens * d_out * cb
     return total
+
+
+def dora_workspace_bytes(arch: Arch, s) -> int:
+    """The transient of one DoRA layer's forward, largest adapted linear: peft builds B @ A by pushing an
+    identity [in, in] (adapter dtype) through A and B, then takes the column norms of the dequantized weight
+    plus that update (adapter-dtype product, its compute-dtype copy, the dequantized weight and the sum)."""
+    if not getattr(s, "use_dora", False):
+        return 0
+    lb, cb = DTYPE_BYTES[s.lora_dtype], MP_BYTES[s.mixed_precision]
+    return max((x.d_in * x.d_in * lb + x.d_in * x.d_out * (lb + 3 * cb) for x in targeted(arch, s.lora_targets)),
+               default=0)
 
 
 def shared_lora_inputs(arch: Arch, s, t: int, names: set) -> int:
@@ -197,3 +212,11 @@ def activation_terms(arch: Arch, s) -> dict[str, int]:
         extra = loss  # every layer's saved tensors are still there when the loss runs
     return {"activations": layers, "logits_loss": extra, "_held": held + rope, "_per_layer": per_layer,
             "_head_saved": head, "_offloaded": offloaded}
+
+
+def embedding_on_cpu(arch, s) -> int:
+    """Activation offloading keeps an untied, unsharded input-embedding table in CPU memory
+    (finetune.train.offload.embeddings_to_cpu)."""
+    if not s.activation_offload or s.device != "cuda" or arch.tied or s.strategy == "fsdp":
+        return 0
+    return arch.vocab * arch.hidden * DTYPE_BYTES[s.model_dtype]

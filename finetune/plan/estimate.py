@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from finetune.plan import loading
-from finetune.plan.activations import DTYPE_BYTES, MP_BYTES, activation_terms, targeted, targeted_experts
+from finetune.plan.activations import (DTYPE_BYTES, MP_BYTES, activation_terms, dora_workspace_bytes,
+                                       embedding_on_cpu, targeted, targeted_experts)
 from finetune.plan.archs import Arch, resolve
 from finetune.plan.pinned import fsdp1_start_extra_bytes, fsdp_offload_bytes
 from finetune.util.units import GiB, fmt
@@ -41,6 +42,7 @@ class Setup:
     lora_expert_targets: object = "auto"  # lora.target_parameters (MoE experts)
     lora_dtype: str = "float32"
     lora_dropout: float = 0.05
+    use_dora: bool = False  # DoRA: a magnitude per output row, saved outputs and a norm workspace
     quant: str = "nf4"
     double_quant: bool = True
     quant_storage: str = "float32"
@@ -85,7 +87,7 @@ def from_recipe(recipe) -> Setup:
     return Setup(model=m.name, gpus=procs, machines=d.num_machines, method=t.method,
                  seq_len=recipe.data.max_seq_len, micro_batch=sequences, lora_r=lo.r,
                  lora_targets=lo.target_modules, lora_expert_targets=lo.target_parameters, lora_dtype=lo.dtype,
-                 lora_dropout=lo.dropout, quant=q.mode,
+                 lora_dropout=lo.dropout, use_dora=lo.use_dora, quant=q.mode,
                  double_quant=q.double_quant, quant_storage=recipe.effective_quant_storage(),
                  model_dtype=m.dtype, mixed_precision=t.mixed_precision, optimizer=t.optimizer, strategy=d.strategy,
                  fsdp_version=f.version, sharding=f.sharding_strategy, reshard_after_forward=f.reshard_after_forward,
@@ -116,10 +118,12 @@ def quant_constant_bytes(numel: int, double_quant: bool, blocksize: int = 64) ->
 
 
 def lora_tensor_sizes(arch: Arch, s: Setup) -> list[int]:
-    """Element counts of every adapter tensor (A: r x in, B: out x r) in the whole model."""
+    """Element counts of every adapter tensor (A: r x in, B: out x r, DoRA magnitude: out) in the whole model."""
     sizes = []
     for x in targeted(arch, s.lora_targets):
         sizes += [s.lora_r * x.d_in, x.d_out * s.lora_r] * x.count
+        if s.use_dora:  # DoRA's magnitude: one value per output row, trained like A and B
+            sizes += [x.d_out] * x.count
     for x in targeted_experts(arch, s):  # peft's ParamWrapper: one A [r*E, in] and one B [out, r*E]
         sizes += [s.lora_r * x.count * x.d_in, x.d_out * s.lora_r * x.count]
     return sizes * arch.layers
@@ -261,14 +265,6 @@ def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
     return layers * per_layer + grads + w["unquantized"] - local
 
 
-def _embedding_on_cpu(arch: Arch, s: Setup) -> int:
-    """Activation offloading keeps an untied, unsharded input-embedding table in CPU memory
-    (finetune.train.offload.embeddings_to_cpu)."""
-    if not s.activation_offload or s.device != "cuda" or arch.tied or s.strategy == "fsdp":
-        return 0
-    return arch.vocab * arch.hidden * DTYPE_BYTES[s.model_dtype]
-
-
 def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     if arch is None:
         arch, source = resolve(s.model)
@@ -281,7 +277,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     bd["experts"] = on_gpu * -(-w["experts"] // shard)
     # bnb's quant state is not a parameter: every rank holds it all (torchao's NF4 shards it: Setup)
     bd["quant_constants"] = -(-w["quant_constants"] // shard) if s.quant_state_sharded else w["quant_constants"]
-    bd["unquantized"] = on_gpu * -(-(w["unquantized"] - _embedding_on_cpu(arch, s)) // shard)
+    bd["unquantized"] = on_gpu * -(-(w["unquantized"] - embedding_on_cpu(arch, s)) // shard)
     if s.strategy == "fsdp" and s.fsdp_version == 2 and not s.offload:  # frozen tables whole on every rank
         tables = arch.vocab * arch.hidden * (1 if arch.tied else 2) * DTYPE_BYTES[s.model_dtype]
         bd["unquantized"] = on_gpu * (tables + -(-(w["unquantized"] - tables) // shard))
@@ -297,6 +293,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     bd["fsdp_buffers"] = _fsdp_buffers(arch, s, w, shard)
     biggest = max(x.d_in * x.d_out for x in arch.linears())
     bd["dequant_workspace"] = biggest * MP_BYTES[s.mixed_precision] if s.quant != "none" else 0
+    bd["dora_workspace"] = dora_workspace_bytes(arch, s)
     if s.device == "cuda":
         p.overhead = {"allocator_slack": int(FRAGMENTATION * sum(bd.values())), "cuda_context": CUDA_CONTEXT,
                       "nccl": NCCL_BUFFERS if s.world > 1 else 0}
@@ -304,7 +301,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     p.cpu = cpu_phases(arch, s, w, opt, grads)
     if s.activation_offload:
         # pinned host copies of every layer input, per process, plus the embedding table kept on the CPU
-        p.cpu["training"] += s.per_machine * (act["_offloaded"] + _embedding_on_cpu(arch, s))
+        p.cpu["training"] += s.per_machine * (act["_offloaded"] + embedding_on_cpu(arch, s))
     if s.device == "cuda":
         held = loading.process_bytes(arch, s, w, shard, DTYPE_BYTES, reader=True)
         p.load_gpu = int(held * (1 + FRAGMENTATION)) + CUDA_CONTEXT + (NCCL_BUFFERS if s.world > 1 else 0)
@@ -379,7 +376,8 @@ def render(p: Plan) -> str:
              + (f" (FSDP{s.fsdp_version}{', cpu offload' if s.offload else ''})" if s.strategy == "fsdp" else "")
              + f", micro-batch {s.micro_batch} x seq {s.seq_len}, checkpointing {'on' if s.checkpointing else 'off'}",
              f"GPU memory per device: {fmt(p.gpu_bytes_per_device)}"]
-    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.breakdown.items() if k != "framework_overhead"]
+    shown = {k: v for k, v in p.breakdown.items() if k != "framework_overhead" and (v or k != "dora_workspace")}
+    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in shown.items()]
     if s.device == "cuda":
         o = p.overhead
         lines += [f"  = peak allocated     {fmt(p.allocated):>12}  (torch.cuda.max_memory_allocated)",

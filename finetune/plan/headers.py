@@ -56,7 +56,7 @@ def plan_block(path: str | Path, text: str | None = None) -> list[str]:
              f"#   weights {fmt(weights)} | adapter+grads+optimizer {fmt(train)} | activations "
              f"{fmt(bd['activations'])} | logits {fmt(bd['logits_loss'])}",
              f"#   fsdp buffers {fmt(bd['fsdp_buffers'])} | workspace+overhead "
-             f"{fmt(bd['framework_overhead'] + bd['dequant_workspace'])}",
+             f"{fmt(bd['framework_overhead'] + bd['dequant_workspace'] + bd['dora_workspace'])}",
              *([f"#   peak allocated {fmt(p.allocated)} + allocator slack and CUDA context "
                 f"{fmt(bd['framework_overhead'])}"] if device == "cuda" else []),
              f"# CPU RAM:     {fmt(p.cpu_bytes_peak)} peak per machine ({max(p.cpu, key=p.cpu.get)})",

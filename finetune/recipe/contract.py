@@ -4,6 +4,7 @@ and `finetune validate` can list them with their fixes.
 """
 from __future__ import annotations
 
+from finetune.recipe.lora_methods import lora_method_problems
 from finetune.util.errors import Problem
 
 
@@ -11,7 +12,8 @@ def contract_problems(r) -> list[Problem]:
     """The FSDP + QLoRA contract and other cross-field rules (docs/architecture.md). Pure: no I/O."""
     d = r.distributed
     return (_storage_problems(r) + process_count_problems(d.strategy, d.num_processes, d.num_machines)
-            + _training_problems(r) + _precision_problems(r) + _fsdp_option_problems(r))
+            + _training_problems(r) + _precision_problems(r) + _fsdp_option_problems(r)
+            + lora_method_problems(r))
 
 
 def process_count_problems(strategy: str, processes: int | None, machines: int) -> list[Problem]:

@@ -105,6 +105,21 @@ class LoraSpec(_Section):
     run's `RUN_DIR/adapter` (e.g. SFT, then DPO from it). Its rank and target modules must be this
     section's: every adapter weight is loaded, nothing is left fresh. With `train.method: dpo` the
     reference policy is this starting adapter. Null: fresh adapters (B = 0, so the model starts as the base)."""
+    use_dora: bool = False
+    """DoRA (QDoRA on a 4-bit base): each adapted weight is split into a direction (base + B @ A, column
+    norms taken of the base as training dequantizes it) and a learned per-output magnitude vector, trained
+    in `lora.dtype` like A and B. Costs one dequantized weight and its norm per adapted layer and step."""
+    use_rslora: bool = False
+    """rsLoRA: scale the update by alpha / sqrt(r) instead of alpha / r, so higher ranks keep learning."""
+    loraplus_lr_ratio: float | None = Field(None, ge=1)
+    """LoRA+: B matrices (and DoRA magnitudes) learn at this multiple of `train.learning_rate`, A at the
+    rate itself (peft's LoRA+ grouping; the paper suggests 16). Null: one rate for all."""
+    init: Literal["gaussian", "pissa", "olora", "loftq"] = "gaussian"
+    """How A and B start. `gaussian`: today's start, A random (peft's default Kaiming-uniform draw) and B
+    zero, so training starts from the base exactly (the only one this round trains). `pissa`, `olora` and
+    `loftq` start from the base's principal directions / a QR factor / the 4-bit quantization error: they
+    need the unquantized weights in memory and rewrite the base, which the streamed 4-bit load never holds;
+    `validate` refuses them with the reason."""
 
     @field_validator("target_modules")
     @classmethod

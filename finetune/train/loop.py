@@ -110,7 +110,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         # The frozen base, placed for the strategy: whole, or (FSDP) placeholders each rank's shard replaces
         # below. The plan says what each parameter is and where the reader finds it; handed on, never stored.
         run.model, plan = load_with_plan(recipe.model, recipe.quantization, placement_for(run.acc))
-        add_adapters(run)
+        add_adapters(run, plan)
     run.memory = mem
     with mem.phase("wrap"):
         resume_from = checkpoint_to_resume(run)  # its adapter weights go in now, before sharding
@@ -213,12 +213,13 @@ def setup(recipe: Recipe, run_dir: Path) -> Run:
     return Run(recipe, run_dir, acc, tok, prepared, host_group=host_group(acc))
 
 
-def add_adapters(run: Run) -> None:
+def add_adapters(run: Run, plan=None) -> None:
     """Fresh LoRA adapters on the loaded base (gradient checkpointing first), the packing layout its
-    attention allows, the step count, the optimizer and the schedule; nothing is wrapped yet."""
+    attention allows, the step count, the optimizer and the schedule; nothing is wrapped yet. `plan`: the
+    load plan of a placeholder base (FSDP), which DoRA reads its magnitudes through."""
     recipe, acc, t = run.recipe, run.acc, run.recipe.train
     enable_checkpointing(run.model, recipe.model)
-    run.model = apply_lora(run.model, recipe.lora, seed=t.seed)
+    run.model = apply_lora(run.model, recipe.lora, seed=t.seed, plan=plan)
     if recipe.lora.init_adapter:  # start from an earlier run's adapter (a resume's checkpoint replaces it later)
         load_adapter_into(run.model, Path(recipe.lora.init_adapter))
     attn = acc.unwrap_model(run.model).config._attn_implementation
@@ -227,7 +228,7 @@ def add_adapters(run: Run) -> None:
         log.info(f"attention: batches of up to {CPU_MATH_ATTENTION_MAX_LEN} tokens use SDPA's math kernel (on "
                  "CPU in bf16 its backward is about twice as fast as the flash kernel's)")
     _, run.total_steps = plan_steps(recipe, run.prepared.train, acc.num_processes, run.layout)
-    run.optimizer = build_optimizer(run.model, t)
+    run.optimizer = build_optimizer(run.model, t, recipe.lora.loraplus_lr_ratio)
     run.scheduler = build_scheduler(run.optimizer, t, run.total_steps)  # stepped by us, once per step: never prepared
 
 

@@ -6,6 +6,8 @@ from pathlib import Path
 import torch
 
 from finetune.recipe import LoraSpec, ModelSpec
+from finetune.train.dora import add_dora
+from finetune.util.errors import RecipeError
 from finetune.util.dtypes import torch_dtype
 from finetune.weights.portable import quiet_peft_wrap
 
@@ -62,17 +64,32 @@ def peft_config(spec: LoraSpec, model=None):
         # router is a parameter too, and stays frozen in the model dtype: it is never targeted).
         target_parameters=params or None,
         bias=spec.bias,
+        use_dora=spec.use_dora,  # peft's DoRA: on Linear4bit it takes the norms of the dequantized base
+        use_rslora=spec.use_rslora,
+        # `gaussian` is today's start (peft's default: A random, B zero, so B @ A = 0 and the run starts
+        # from the base); the recipe refuses the base-changing inits before anything loads.
+        init_lora_weights=True,
         task_type="CAUSAL_LM",
     )
 
 
-def apply_lora(model, spec: LoraSpec, seed: int):
-    """Wrap the frozen base with fresh adapters. Seeded so adapter init is reproducible."""
+def apply_lora(model, spec: LoraSpec, seed: int, plan=None):
+    """Wrap the frozen base with fresh adapters. Seeded so adapter init is reproducible. `plan`: the load
+    plan of a base left as placeholders (FSDP), which DoRA needs to read the base weights."""
     from peft import get_peft_model
 
     torch.manual_seed(seed)
+    config = peft_config(spec, model)
+    if spec.use_dora and config.target_parameters:  # preflight refuses it first; a direct caller gets this
+        raise RecipeError(["lora.use_dora: peft adapts fused MoE expert parameters without DoRA. Fix: set "
+                           "lora.target_parameters: [] or lora.use_dora: false"])
+    streamed_dora = spec.use_dora and plan is not None
+    if streamed_dora:
+        config.use_dora = False  # peft would read placeholders: add_dora makes DoRA weight by weight
     with quiet_peft_wrap():
-        model = get_peft_model(model, peft_config(spec, model), autocast_adapter_dtype=False)
+        model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    if streamed_dora:
+        add_dora(model, plan)
     # Master copies of the trainable weights stay in the adapter dtype (fp32 default): the optimizer updates
     # them exactly while autocast does the matmuls in bf16.
     dtype = torch_dtype(spec.dtype)

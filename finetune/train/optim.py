@@ -125,28 +125,47 @@ def sharded_adamw8bit_cls():
     return _SHARDED_CLS
 
 
-def param_groups(model_or_params, weight_decay: float) -> list[dict]:
-    """Trainable parameters in two groups: decay on >= 2-D weights (LoRA A/B), none on vectors (biases)."""
-    params = model_or_params.parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
-    trainable = [p[1] if isinstance(p, tuple) else p for p in params]  # (name, param) pairs or params
-    trainable = [p for p in trainable if p.requires_grad]
-    if not trainable:
+def param_groups(model_or_params, weight_decay: float, lr: float | None = None,
+                 loraplus_lr_ratio: float | None = None) -> list[dict]:
+    """Trainable parameters in two groups: decay on >= 2-D weights (LoRA A/B), none on vectors (biases,
+    DoRA magnitudes).
+
+    With `loraplus_lr_ratio` (LoRA+), each of those splits once more by learning rate: B matrices and
+    vectors learn at lr x ratio, the rest (A) at lr, which is peft's LoRA+ grouping
+    (peft.optimizers.create_loraplus_optimizer: "lora_B" in the name or a 1-D parameter). Not peft's
+    function itself: it builds the optimizer from a whole PeftModel with transformers' decay rule, where
+    this keeps our decay rule and takes (name, parameter) pairs. Each group carries `lr`, so the schedule
+    scales both rates together and the ratio holds at every step.
+    """
+    items = model_or_params.named_parameters() if isinstance(model_or_params, torch.nn.Module) else model_or_params
+    named = [p if isinstance(p, tuple) else ("", p) for p in items]  # (name, param) pairs or params
+    named = [(n, p) for n, p in named if p.requires_grad]
+    if not named:
         raise ValueError("no trainable parameters: was LoRA applied?")
-    groups = [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay}]
-    rest = [p for p in trainable if p.dim() < 2]
-    if rest:
-        groups.append({"params": rest, "weight_decay": 0.0})
-    return groups
+    if loraplus_lr_ratio is not None and not all(n for n, _ in named):
+        raise ValueError("LoRA+ needs parameter names to find the B matrices: pass a module or (name, param) pairs")
+    groups = []
+    for decay, keep in ((weight_decay, lambda p: p.dim() >= 2), (0.0, lambda p: p.dim() < 2)):
+        chosen = [(n, p) for n, p in named if keep(p)]
+        if loraplus_lr_ratio is None:
+            groups.append({"params": [p for _, p in chosen], "weight_decay": decay})
+            continue
+        fast = [p for n, p in chosen if "lora_B" in n or p.dim() == 1]
+        slow = [p for n, p in chosen if not ("lora_B" in n or p.dim() == 1)]
+        groups.append({"params": slow, "weight_decay": decay, "lr": lr, "lr_ratio": 1.0})
+        groups.append({"params": fast, "weight_decay": decay, "lr": lr * loraplus_lr_ratio,
+                       "lr_ratio": loraplus_lr_ratio})
+    return [g for g in groups if g["params"]]
 
 
-def build_optimizer(model_or_params, train: TrainSpec) -> torch.optim.Optimizer:
+def build_optimizer(model_or_params, train: TrainSpec, loraplus_lr_ratio: float | None = None) -> torch.optim.Optimizer:
     """The optimizer named by `train.optimizer`, over the trainable parameters of a module, an iterable of
     parameters, or of (name, parameter) pairs.
 
     Build it on the un-wrapped model and pass it to `parallel.wrap` with the model: FSDP2 swaps
     the parameters, and Accelerate re-points the optimizer at the new ones.
     """
-    groups = param_groups(model_or_params, train.weight_decay)
+    groups = param_groups(model_or_params, train.weight_decay, train.learning_rate, loraplus_lr_ratio)
     common = dict(lr=train.learning_rate, betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_epsilon)
     if train.optimizer == "adamw_torch":
         return torch.optim.AdamW(groups, **common)

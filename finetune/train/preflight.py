@@ -83,7 +83,8 @@ def model_problems(r: Recipe) -> tuple[list[Problem], object]:
 
 
 def expert_problems(r: Recipe, arch) -> list[Problem]:
-    """lora.target_parameters against the model's fused MoE experts, and peft's no-dropout rule for them."""
+    """lora.target_parameters against the model's fused MoE experts, and peft's no-dropout and no-DoRA rules
+    for them."""
     wanted, have = r.lora.target_parameters, [x.name for x in arch.expert_params()]
     if wanted == "auto":
         adapted = have
@@ -95,6 +96,11 @@ def expert_problems(r: Recipe, arch) -> list[Problem]:
                             message=f"{', '.join(unknown)} not a fused expert parameter of {arch.model_type} "
                                     f"(it has {', '.join(have) or 'none: a dense model'})",
                             fix="use those names, auto, or []")]
+    if adapted and r.lora.use_dora:
+        return [Problem(level="error", path="lora.use_dora",
+                        message=f"{arch.model_type} has fused MoE expert parameters ({', '.join(adapted)}), which "
+                                "peft adapts without DoRA (its ParamWrapper refuses use_dora)",
+                        fix="set lora.target_parameters: [] to leave the experts frozen, or lora.use_dora: false")]
     if adapted and r.lora.dropout > 0:
         return [Problem(level="error", path="lora.dropout",
                         message=f"{r.lora.dropout} with adapted MoE experts: peft's ParamWrapper (LoRA on a fused "

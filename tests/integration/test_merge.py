@@ -160,10 +160,16 @@ def test_unsupported_adapters_are_refused(tiny_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
     cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps({**cfg, "modules_to_save": ["lm_head"]}))
+    assert cli.main(["merge", str(run), "--no-check"]) == 2
+    err = capsys.readouterr().err
+    assert "modules_to_save" in err and "Traceback" not in err and not (run / "merged").exists()
+    # DoRA merges (test_adapter_methods.py), but a config that says DoRA over tensors without magnitudes
+    # would merge as plain LoRA, silently wrong: refused.
     (run / "adapter" / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
     assert cli.main(["merge", str(run), "--no-check"]) == 2
     err = capsys.readouterr().err
-    assert "DoRA" in err and "Traceback" not in err and not (run / "merged").exists()
+    assert "DoRA magnitude" in err and "Traceback" not in err and not (run / "merged").exists()
     assert cli.main(["merge", str(tmp_path / "nowhere")]) == 2
 
 

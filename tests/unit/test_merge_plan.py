@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from finetune.merge.plan import (QuantSpec, TensorInfo, adapter_problems, lora_delta, merged_tensor, pair_keys,
-                                 plan_shards, scaling, shard_names)
+from finetune.merge.plan import (QuantSpec, TensorInfo, adapter_problems, lora_delta, magnitude_keys, merged_tensor,
+                                 pair_keys, plan_shards, scaling, shard_names)
 from finetune.util.errors import RecipeError
 from finetune.util.units import parse_size
 
@@ -33,7 +33,9 @@ def test_pair_keys_maps_peft_names_to_base_modules():
 
 @pytest.mark.parametrize("keys,match", [
     (["base_model.model.a.lora_A.weight", "base_model.model.a.lora_B.weight",
-      "base_model.model.a.lora_magnitude_vector"], "not LoRA A/B"),
+      "base_model.model.a.lora_embedding_A"], "not LoRA A/B"),
+    (["base_model.model.a.lora_A.weight", "base_model.model.a.lora_B.weight",
+      "base_model.model.b.lora_magnitude_vector"], "DoRA magnitudes without"),
     (["base_model.model.a.lora_A.weight"], "missing their A or B"),
     ([], "no LoRA weights")])
 def test_pair_keys_refuses_what_it_cannot_merge(keys, match):
@@ -45,7 +47,8 @@ def test_adapter_problems():
     ok = {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "use_dora": False, "bias": "none",
           "modules_to_save": None, "init_lora_weights": True, "use_rslora": True, "future_flag": False}
     assert adapter_problems(ok) == []
-    assert any("DoRA" in p for p in adapter_problems({**ok, "use_dora": True}))
+    assert adapter_problems({**ok, "use_dora": True}) == []  # DoRA merges (merged_tensor's magnitude)
+    assert any("DoRA" in p for p in adapter_problems({**ok, "use_dora": True, "target_parameters": ["x"]}))
     assert any("modules_to_save" in p for p in adapter_problems({**ok, "modules_to_save": ["lm_head"]}))
     assert any("unknown_thing" in p for p in adapter_problems({**ok, "unknown_thing": 3}))
     assert any("pissa" in p for p in adapter_problems({**ok, "init_lora_weights": "pissa_niter_4"}))
@@ -98,3 +101,38 @@ def test_quant_roundtrip_is_4bit():
     # NF4 keeps 16 levels per 64-value block: far fewer distinct values than the input, close to it
     assert out[0].unique().numel() <= 16
     assert (out - w).abs().max() < 0.5 and not torch.equal(out, w)
+
+
+def test_dora_magnitude_keys_old_and_new_names():
+    keys = ["base_model.model.m.q_proj.lora_A.weight", "base_model.model.m.q_proj.lora_B.weight",
+            "base_model.model.m.q_proj.lora_magnitude_vector",  # peft 0.21
+            "base_model.model.m.k_proj.lora_A.weight", "base_model.model.m.k_proj.lora_B.weight",
+            "base_model.model.m.k_proj.lora_magnitude_vector.default.weight"]  # older files
+    assert magnitude_keys(keys) == {"m.q_proj": keys[2], "m.k_proj": keys[5]}
+    assert set(pair_keys(keys)) == {"m.q_proj", "m.k_proj"}
+
+
+def test_dora_merged_weight_equals_peft_merge():
+    """merged_tensor with a magnitude == peft's own DoRA merge of the same layer (fp32)."""
+    from peft import LoraConfig
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    g = torch.Generator().manual_seed(0)
+    w, a, b = torch.randn(12, 10, generator=g), torch.randn(4, 10, generator=g), torch.randn(12, 4, generator=g)
+    base = torch.nn.Linear(10, 12, bias=False)
+    base.weight.data = w.clone()
+    layer = LoraLinear(base, "default", LoraConfig(r=4, lora_alpha=8, use_dora=True), r=4, lora_alpha=8,
+                       use_dora=True)
+    layer.lora_A["default"].weight.data, layer.lora_B["default"].weight.data = a, b
+    m = torch.rand(12, generator=g) + 0.5
+    layer.lora_magnitude_vector["default"].weight.data = m
+    x = torch.randn(3, 10, generator=g)
+    with torch.no_grad():
+        want = layer(x)
+        layer.merge()
+        peft_merged = layer.get_base_layer().weight.detach().clone()
+    ours = merged_tensor(w, torch.float32, lora_delta(a, b, 2.0), magnitude=m)
+    assert torch.allclose(ours, peft_merged, atol=1e-5)
+    assert torch.allclose(x @ ours.T, want, atol=1e-4)
+    with pytest.raises(RecipeError, match="magnitude"):
+        merged_tensor(w, torch.float32, lora_delta(a, b, 2.0), magnitude=m[:5])
