@@ -84,8 +84,11 @@ def sharding_facts(model, accelerator) -> dict:
     from finetune.train.parallel import is_sharded
 
     params = list(model.parameters())
+    whole = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]  # left out of sharding
     return {"model_class": type(model).__name__, "is_sharded": is_sharded(model),
             "n_dtensor_params": sum(isinstance(p, DTensor) for p in params), "n_params": len(params),
+            "unsharded_names": whole,
+            "unsharded_bytes": sum(p.numel() * p.element_size() for p in params if not isinstance(p, DTensor)),
             "num_processes": accelerator.num_processes}
 
 
