@@ -22,7 +22,8 @@ from tests.integration.families import FAMILIES, ROOT, overrides  # noqa: E402
 
 
 def tied_on_wrapped_model(model) -> bool:
-    """The FSDP2-wrapped model's head weight is its embedding weight: one DTensor, sharded once."""
+    """The FSDP2-wrapped model's head weight is its embedding weight: one tensor (FSDP2 keeps the frozen tables
+    whole on every rank, train.parallel.replicated_modules), filled once."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.get_output_embeddings().weight is base.get_input_embeddings().weight
 
