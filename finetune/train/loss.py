@@ -68,7 +68,7 @@ def token_losses(model, batch: dict, device_type: str, train_spec, offload=None,
     or with reduction "sum" their sum, as `token_loss_sum` returns it; and N). Preference losses sum the
     per-token values per sequence (finetune.train.preference). Only input_ids, attention_mask and
     position_ids of the batch reach the model."""
-    if "targets" not in batch:  # a caller that did not use device_batch: the same result, worked out here
+    if "rows" not in batch:  # a caller that did not use device_batch: the same result, worked out here
         batch = device_batch(batch, batch["labels"].device)
     rows, targets = batch["rows"], batch["targets"]
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
