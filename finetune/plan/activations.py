@@ -77,11 +77,17 @@ def shared_lora_inputs(arch: Arch, s, t: int, names: set) -> int:
 
 
 def experts_saved_bytes(arch: Arch, s, t: int) -> int:
-    """MoE experts: each routed token's input to each expert matmul, and, for an adapted fused parameter,
+    """MoE experts held in the model dtype: each routed token's input to each expert matmul, and, for an adapted fused parameter,
     the adapted weight W + scale * B @ A that peft's parametrization builds (model dtype, all experts),
     which every expert's matmul keeps for backward."""
     cb, mb = MP_BYTES[s.mixed_precision], DTYPE_BYTES[s.model_dtype]
     adapted = {x.name for x in targeted_experts(arch, s)}
+    if s.quant in ("nf4", "fp4"):
+        # 4-bit experts (weights/experts4bit.py): the frozen matmul keeps nothing (it dequantizes again in
+        # backward); an adapted one keeps its routed input to A and B's input, and peft's factors cast
+        # to the model dtype once per step (A and B of all experts)
+        return sum(t * arch.experts_per_tok * (x.d_in + s.lora_r) * cb + s.lora_r * x.count * (x.d_in + x.d_out) * mb
+                   for x in arch.expert_params() if x.name in adapted)
     total = 0
     for x in arch.expert_params():
         total += t * arch.experts_per_tok * x.d_in * cb

@@ -142,11 +142,39 @@ def weight_terms(arch: Arch, s: Setup) -> dict[str, int]:
     else:
         base, consts = sum(lin) * mb, 0
     emb = arch.vocab * arch.hidden * (1 if arch.tied else 2)
-    # MoE experts (3-D parameters) stay in the model dtype: bitsandbytes quantizes only nn.Linear
-    experts = sum(x.d_in * x.d_out * x.count for x in arch.expert_params()) * arch.layers * mb
-    return {"base_4bit": base, "quant_constants": consts, "experts": experts,
+    experts, expert_consts = expert_weight_bytes(arch, s)
+    return {"base_4bit": base, "quant_constants": consts + expert_consts, "experts": experts,
             "unquantized": (emb + arch.small_params()) * mb,
             "lora": sum(lora_tensor_sizes(arch, s)) * DTYPE_BYTES[s.lora_dtype]}
+
+
+def experts_4bit(s: Setup) -> bool:
+    """MoE experts are held 4-bit (weights/experts4bit.py) whenever the base is: a 4-bit recipe whose
+    checkpoint is quantized as it loads."""
+    return s.quant in ("nf4", "fp4")
+
+
+def expert_weight_bytes(arch: Arch, s: Setup) -> tuple[int, int]:
+    """(packed bytes, quantization-state bytes) of every MoE expert. 4-bit: each expert is quantized alone,
+    its own absmax (and double-quantization scale and offset); one code table (two with double
+    quantization) per layer's parameter. Otherwise the fused 3-D parameters in the model dtype."""
+    params = arch.expert_params()
+    if not experts_4bit(s):
+        return sum(x.d_in * x.d_out * x.count for x in params) * arch.layers * DTYPE_BYTES[s.model_dtype], 0
+    packed = sum(packed_4bit_bytes(x.d_in * x.d_out, s.quant_storage) * x.count for x in params)
+    code = 16 * 4
+    consts = sum((quant_constant_bytes(x.d_in * x.d_out, s.double_quant) - code) * x.count
+                 + code + (256 * 4 if s.double_quant else 0) for x in params)
+    return packed * arch.layers, consts * arch.layers
+
+
+def expert_workspace_bytes(arch: Arch, s: Setup) -> int:
+    """4-bit experts are dequantized one at a time, in forward and again in backward (never kept): the
+    biggest expert weight in the model dtype, plus its compute-dtype copy when the two differ."""
+    if not arch.experts or not experts_4bit(s):
+        return 0
+    mb, cb = DTYPE_BYTES[s.model_dtype], MP_BYTES[s.mixed_precision]
+    return max(x.d_in * x.d_out for x in arch.expert_params()) * (mb + (cb if cb != mb else 0))
 
 
 def adapted_share(arch: Arch, s: Setup) -> dict:
@@ -167,9 +195,11 @@ def describe_adapted(arch: Arch, s: Setup) -> str:
             f"({a['pct']:.1f}%)")
     if a["expert_total"]:
         names = ", ".join(x.name for x in targeted_experts(arch, s)) or "none"
-        line += (f"; MoE experts {100 * a['expert_adapted'] / a['expert_total']:.0f}% adapted ({names}), held in "
-                 f"{s.model_dtype}, not 4-bit: bitsandbytes quantizes nn.Linear only, and transformers 5 fuses "
-                 "the experts into 3-D parameters")
+        packed, consts = expert_weight_bytes(arch, s)
+        held = (f"held 4-bit ({s.quant}{', double quant' if s.double_quant else ''}, per expert): "
+                f"{(packed + consts) / 2**30:.2f} GiB" if experts_4bit(s)
+                else f"held in {s.model_dtype} ({packed / 2**30:.2f} GiB): the base is not 4-bit")
+        line += f"; MoE experts {100 * a['expert_adapted'] / a['expert_total']:.0f}% adapted ({names}), {held}"
     return line
 
 
@@ -292,7 +322,8 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     bd["logits_loss"] = act["logits_loss"]
     bd["fsdp_buffers"] = _fsdp_buffers(arch, s, w, shard)
     biggest = max(x.d_in * x.d_out for x in arch.linears())
-    bd["dequant_workspace"] = biggest * MP_BYTES[s.mixed_precision] if s.quant != "none" else 0
+    bd["dequant_workspace"] = max(biggest * MP_BYTES[s.mixed_precision] if s.quant != "none" else 0,
+                                  expert_workspace_bytes(arch, s))
     bd["dora_workspace"] = dora_workspace_bytes(arch, s)
     if s.device == "cuda":
         p.overhead = {"allocator_slack": int(FRAGMENTATION * sum(bd.values())), "cuda_context": CUDA_CONTEXT,
@@ -344,7 +375,7 @@ def _offload_units(arch: Arch, s: Setup, w: dict) -> tuple[list[int], list[int]]
     tensors = [packed_4bit_bytes(x.d_in * x.d_out, s.quant_storage) if s.quant in ("nf4", "fp4")
                else x.d_in * x.d_out * DTYPE_BYTES[s.model_dtype]
                for x in arch.linears() for _ in range(x.count)] * arch.layers
-    tensors += [x.d_in * x.d_out * x.count * DTYPE_BYTES[s.model_dtype] for x in arch.expert_params()] * arch.layers
+    tensors += [w["experts"] // max(1, arch.layers * len(arch.expert_params()))] * len(arch.expert_params()) * arch.layers
     tensors += [arch.vocab * arch.hidden * DTYPE_BYTES[s.model_dtype]] * (1 if arch.tied else 2)
     return units, tensors
 
