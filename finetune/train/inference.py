@@ -25,7 +25,7 @@ def load_run(run_dir: Path, merged: bool = False):
     `merged`, the merged model in RUN_DIR/merged (or RUN_DIR itself when it is a merged model's dir)."""
     from peft import PeftModel
 
-    from finetune.train.expert_lora import adopt
+    from finetune.weights.expert_lora import adopt
 
     from finetune.weights.portable import quiet_peft_wrap
     from finetune.weights.model import load_model

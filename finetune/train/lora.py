@@ -92,7 +92,7 @@ def apply_lora(model, spec: LoraSpec, seed: int, plan=None):
     with quiet_peft_wrap():
         model = get_peft_model(model, config, autocast_adapter_dtype=False)
     if config.target_parameters:
-        from finetune.train.expert_lora import adopt
+        from finetune.weights.expert_lora import adopt
 
         adopt(model)  # 4-bit experts: peft's ParamWrapper with a forward that fits packed bytes
     if streamed_dora:

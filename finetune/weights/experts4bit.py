@@ -9,7 +9,7 @@ state of every expert is small and sits beside them as non-persistent buffers (e
 
 The forward dequantizes, one at a time, only the experts the router picked for the batch: the workspace is
 one expert's weight in the model dtype, and backward dequantizes again instead of keeping it (as
-bitsandbytes' 4-bit matmul does). LoRA on experts (peft's ParamWrapper, through train/expert_lora.py) is
+bitsandbytes' 4-bit matmul does). LoRA on experts (peft's ParamWrapper, through expert_lora.py) is
 added per picked expert as x·Aₑᵀ·Bₑᵀ·scale, the same W + scale·B·A peft applies to the dense tensor.
 """
 from __future__ import annotations

@@ -45,7 +45,7 @@ def _packed(model):
 
 
 def test_every_expert_is_4bit_and_adapted_with_gradient(family_dir):
-    from finetune.train.expert_lora import PackedExpertsLora
+    from finetune.weights.expert_lora import PackedExpertsLora
 
     family, path = family_dir
     model = _load(path)
@@ -137,20 +137,58 @@ def test_4bit_expert_logits_equal_the_dequantized_reference(family_dir, targets)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_training_lowers_the_loss_on_one_process(family_dir, tmp_path):
+@pytest.fixture(scope="module")
+def trained(family_dir, tmp_path_factory):
+    """(family, base dir, run dir): 8 steps of the real loop, every expert adapted."""
     from finetune.recipe import load
     from finetune.train.loop import train
 
     family, path = family_dir
-    run_dir = tmp_path / "run"
+    run_dir = tmp_path_factory.mktemp(f"{family}-run") / "run"
     recipe = load(ROOT / "recipes" / "tiny_cpu.yaml", [
         f"model.name={path}", "train.max_steps=8", "train.warmup_steps=0", "train.log_every=1",
         "data.max_samples=64", "data.max_seq_len=48", "output.progress_bar=false", "data.eval_sources=[]",
         "data.eval_split=0", "lora.dropout=0", f"output.dir={run_dir}"])
     train(recipe, run_dir)
+    return family, path, run_dir
+
+
+def test_training_lowers_the_loss_on_one_process(trained):
+    run_dir = trained[2]
     losses = [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(line)]
     assert len(losses) == 8 and losses[-1] < losses[0] - 0.1, losses
+
+
+def test_merge_at_fp32_passes_parity_with_experts_as_training_held_them(trained):
+    """`--target original` folds the expert adapters into the published experts; `--target nf4` into the
+    experts dequantized exactly as training held them (each expert's 4-bit bytes), both within 1e-4 of
+    base + adapter in logits. merged(nf4) - merged(original) is the training-time quantization error of
+    each expert, read from the 4-bit model itself."""
+    from safetensors.torch import load_file
+
+    from finetune.merge.stream import merge
+    from finetune.plan.archs import per_expert_keys
+
+    family, path, run_dir = trained
+    outs = {t: merge(run_dir, output=run_dir / f"merged-{t}", target=t, dtype="fp32") for t in ("original", "nf4")}
+    for t, out in outs.items():
+        parity = json.loads((out / "merge_info.json").read_text())["parity"]
+        assert parity["status"] == "passed" and parity["kind"] == "logits" and parity["tolerance"] == 1e-4, (t, parity)
+    merged = {t: {} for t in outs}
+    for t, out in outs.items():
+        for f in out.glob("*.safetensors"):
+            merged[t].update(load_file(f))
+    hub = load_file(path / "model.safetensors")
+    m = _packed(_load(path, targets=None))[1]  # layer 1's experts, as training held them (fp32)
+    model_type = json.loads((path / "config.json").read_text())["model_type"]
+    for name in ("gate_up_proj", "down_proj"):
+        keys = per_expert_keys(f"model.layers.1.mlp.experts.{name}", model_type, EXPERTS)
+        for e in (0, 7, EXPERTS - 1):
+            got = torch.cat([merged["nf4"][k] - merged["original"][k] for k in keys[e]])
+            want = m.dequantized(name, e) - torch.cat([hub[k] for k in keys[e]]).float()
+            assert want.abs().max() > 1e-3  # the 4-bit error is there to see
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
 @pytest.mark.distributed
