@@ -17,6 +17,8 @@ from finetune.plan import loading
 from finetune.plan.activations import (DTYPE_BYTES, MP_BYTES, activation_terms, dora_workspace_bytes,
                                        embedding_on_cpu, targeted, targeted_experts)
 from finetune.plan.archs import Arch, resolve
+from finetune.plan.quantized import (expert_weight_bytes, expert_workspace_bytes, experts_4bit, packed_4bit_bytes,
+                                     quant_constant_bytes)
 from finetune.plan.pinned import fsdp1_start_extra_bytes, fsdp_offload_bytes
 from finetune.util.units import GiB, fmt
 CUDA_CONTEXT = GiB // 2  # CUDA context, kernels and cuBLAS workspace: not visible to torch's allocator
@@ -101,22 +103,6 @@ def from_recipe(recipe) -> Setup:
 # Weights
 
 
-def packed_4bit_bytes(numel: int, storage: str) -> int:
-    # bitsandbytes packs two 4-bit codes per byte into a tensor of `storage` dtype: ((n + 1) // (2 * size), 1).
-    size = DTYPE_BYTES[storage]
-    return ((numel + 1) // (2 * size)) * size
-
-
-def quant_constant_bytes(numel: int, double_quant: bool, blocksize: int = 64) -> int:
-    """Blockwise absmax of one 4-bit tensor. Double quantization stores each absmax as one byte, with an
-    fp32 scale per 256 absmax values and one fp32 offset (0.127 instead of 0.5 bits per parameter)."""
-    blocks = -(-numel // blocksize)
-    code = 16 * 4  # the 16-entry NF4/FP4 code table each quant state carries
-    if not double_quant:
-        return blocks * 4 + code
-    return blocks + (-(-blocks // 256)) * 4 + 4 + code
-
-
 def lora_tensor_sizes(arch: Arch, s: Setup) -> list[int]:
     """Element counts of every adapter tensor (A: r x in, B: out x r, DoRA magnitude: out) in the whole model."""
     sizes = []
@@ -146,35 +132,6 @@ def weight_terms(arch: Arch, s: Setup) -> dict[str, int]:
     return {"base_4bit": base, "quant_constants": consts + expert_consts, "experts": experts,
             "unquantized": (emb + arch.small_params()) * mb,
             "lora": sum(lora_tensor_sizes(arch, s)) * DTYPE_BYTES[s.lora_dtype]}
-
-
-def experts_4bit(s: Setup) -> bool:
-    """MoE experts are held 4-bit (weights/experts4bit.py) whenever the base is: a 4-bit recipe whose
-    checkpoint is quantized as it loads."""
-    return s.quant in ("nf4", "fp4")
-
-
-def expert_weight_bytes(arch: Arch, s: Setup) -> tuple[int, int]:
-    """(packed bytes, quantization-state bytes) of every MoE expert. 4-bit: each expert is quantized alone,
-    its own absmax (and double-quantization scale and offset); one code table (two with double
-    quantization) per layer's parameter. Otherwise the fused 3-D parameters in the model dtype."""
-    params = arch.expert_params()
-    if not experts_4bit(s):
-        return sum(x.d_in * x.d_out * x.count for x in params) * arch.layers * DTYPE_BYTES[s.model_dtype], 0
-    packed = sum(packed_4bit_bytes(x.d_in * x.d_out, s.quant_storage) * x.count for x in params)
-    code = 16 * 4
-    consts = sum((quant_constant_bytes(x.d_in * x.d_out, s.double_quant) - code) * x.count
-                 + code + (256 * 4 if s.double_quant else 0) for x in params)
-    return packed * arch.layers, consts * arch.layers
-
-
-def expert_workspace_bytes(arch: Arch, s: Setup) -> int:
-    """4-bit experts are dequantized one at a time, in forward and again in backward (never kept): the
-    biggest expert weight in the model dtype, plus its compute-dtype copy when the two differ."""
-    if not arch.experts or not experts_4bit(s):
-        return 0
-    mb, cb = DTYPE_BYTES[s.model_dtype], MP_BYTES[s.mixed_precision]
-    return max(x.d_in * x.d_out for x in arch.expert_params()) * (mb + (cb if cb != mb else 0))
 
 
 def adapted_share(arch: Arch, s: Setup) -> dict:
