@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from finetune.weights.experts4bit import expert_parameter, stack_states
+from finetune.weights.packed import deliver
 from finetune.weights.placement import comm_device
 from finetune.weights.quantize import quantize
 
@@ -53,16 +54,7 @@ def expert_range(stream, entry, spans: dict) -> torch.Tensor:
         if reading:
             packed, qs = _quantized_expert(stream, entry, e)
             states.append(qs)
-        for r in range(pl.reader, pl.reader + pl.local_world):
-            s, t = max(spans.get(r, (0, 0))[0], plo), min(spans.get(r, (0, 0))[1], phi)
-            if t <= s:
-                continue
-            if reading and r == pl.rank:
-                local[s - lo:t - lo].copy_(packed[s - plo:t - plo])
-            elif reading:
-                dist.send(packed[s - plo:t - plo].to(comm).contiguous().view(torch.uint8), dst=r)
-            elif r == pl.rank:
-                dist.recv(local[s - lo:t - lo].view(torch.uint8), src=pl.reader)
+        deliver(pl, spans, (plo, phi), packed if reading else None, local, lo)
     box = [_cpu(stack_states(states)) if reading else None]
     if pl.world > 1:
         dist.broadcast_object_list(box, src=pl.reader, group=pl.group)
