@@ -216,3 +216,20 @@ def test_fsdp_shards_the_packed_experts_and_the_loss_falls(tmp_path, version):
             assert len(shards) == 4, shards
             for name, (same, local, whole) in shards.items():
                 assert same and 0 < local and 2 * local <= whole + 1, (family, rank, name, local, whole)
+
+
+def test_a_finished_run_loads_for_eval_with_its_expert_adapters(trained):
+    """`finetune eval` / `generate` (train/inference.load_run): the 4-bit base, the saved adapter in peft,
+    and every expert adapter running through PackedExpertsLora."""
+    from finetune.train.inference import load_run
+    from finetune.weights.expert_lora import PackedExpertsLora
+
+    _, _, run_dir = trained
+    _, _, model = load_run(run_dir)
+    assert len([m for m in model.modules() if isinstance(m, PackedExpertsLora)]) == 4
+    ids = torch.randint(3, 384, (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+    assert torch.isfinite(adapted).all() and (adapted - base).abs().max() > 1e-4
