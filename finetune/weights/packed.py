@@ -16,10 +16,9 @@ import torch
 
 from finetune.weights.placement import comm_device
 from finetune.weights.quantize import piece_bounds, quant_state, quantize_piece, read_pieces
-from finetune.weights.reader import Stream
 
 
-def quantized_range(stream: Stream, entry, spans: dict) -> tuple[torch.Tensor, object]:
+def quantized_range(stream, entry, spans: dict) -> tuple[torch.Tensor, object]:  # stream: reader.Stream
     """(this rank's packed elements [start, stop) as a flat tensor, the weight's QuantState), where `spans`
     maps each global rank of this machine to its (start, stop) in packed elements (ranks that want nothing
     may be left out). Collective over the machine, in the same order on every rank."""
@@ -40,7 +39,7 @@ def quantized_range(stream: Stream, entry, spans: dict) -> tuple[torch.Tensor, o
     return local, QuantState.from_dict(dict(stats), device=pl.device)
 
 
-def _quantize_and_send(stream: Stream, entry, spans: dict) -> tuple[torch.Tensor, dict | None]:
+def _quantize_and_send(stream, entry, spans: dict) -> tuple[torch.Tensor, dict | None]:
     """The reader quantizes piece by piece and sends each rank the part of every piece that falls in its
     span; the others receive theirs in place. Every rank walks the same pieces (piece_bounds)."""
     pl, q = stream.placement, entry.q
