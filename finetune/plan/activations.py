@@ -135,8 +135,10 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
             total += batch * arch.heads * seq * seq * (4 + cb)
         total += t * (2 * q + 2 * kv) * cb + batch * arch.heads * seq * 4  # q, k, v, output + logsumexp
     inter = t * arch.experts_per_tok if arch.experts else t
-    # act input, act output and up (gated); lean MLPs recompute the act output
-    total += inter * i * mlp_bytes(s) * ((2 if lean(arch, s) else 3) if arch.gated_mlp() else 1)
+    # act input, act output and up (gated); lean MLPs recompute the act output. 4-bit experts' matmuls
+    # come out of autocast in the compute dtype (no peft Linear promotes them).
+    per = MP_BYTES[s.mixed_precision] if arch.experts and s.quant in ("nf4", "fp4") else mlp_bytes(s)
+    total += inter * i * per * ((2 if lean(arch, s) else 3) if arch.gated_mlp() else 1)
     if arch.experts:
         total += t * arch.experts * 4 * 2  # router logits and softmax
     return total

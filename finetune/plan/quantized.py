@@ -30,15 +30,16 @@ def experts_4bit(s) -> bool:
 
 def expert_weight_bytes(arch: Arch, s) -> tuple[int, int]:
     """(packed bytes, quantization-state bytes) of every MoE expert. 4-bit: each expert is quantized alone,
-    its own absmax (and double-quantization scale and offset); one code table (two with double
-    quantization) per layer's parameter. Otherwise the fused 3-D parameters in the model dtype."""
+    its own absmax (and double-quantization scale and offset); one code table (and with double
+    quantization one second-level table) per layer's experts module. Otherwise the fused 3-D parameters
+    in the model dtype."""
     params = arch.expert_params()
     if not experts_4bit(s):
         return sum(x.d_in * x.d_out * x.count for x in params) * arch.layers * DTYPE_BYTES[s.model_dtype], 0
     packed = sum(packed_4bit_bytes(x.d_in * x.d_out, s.quant_storage) * x.count for x in params)
     code = 16 * 4
-    consts = sum((quant_constant_bytes(x.d_in * x.d_out, s.double_quant) - code) * x.count
-                 + code + (256 * 4 if s.double_quant else 0) for x in params)
+    consts = sum((quant_constant_bytes(x.d_in * x.d_out, s.double_quant) - code) * x.count for x in params)
+    consts += code + (256 * 4 if s.double_quant else 0)
     return packed * arch.layers, consts * arch.layers
 
 

@@ -233,3 +233,22 @@ def test_a_finished_run_loads_for_eval_with_its_expert_adapters(trained):
         with model.disable_adapter():
             base = model(input_ids=ids).logits
     assert torch.isfinite(adapted).all() and (adapted - base).abs().max() > 1e-4
+
+
+def test_the_plan_counts_the_experts_bytes_and_workspace_as_loaded(family_dir):
+    """plan/quantized.py against the loaded model: the packed expert bytes and their quantization state
+    exactly, and the dequantization workspace as one expert's dequantized weight plus its bf16 copy."""
+    from finetune.plan import estimate as E
+    from finetune.plan.archs import from_config
+    from finetune.plan.quantized import expert_weight_bytes, expert_workspace_bytes
+
+    _, path = family_dir
+    model = _load(path, targets=None)
+    packed = _packed(model)
+    arch = from_config(model.config.to_dict(), str(path))
+    s = E.Setup(model=str(path), model_dtype="float32", quant_storage="float32", mixed_precision="bf16")
+    stored = sum(getattr(m, n).numel() * getattr(m, n).element_size() for m in packed for n in m.shapes)
+    state = sum(b.numel() * b.element_size() for m in packed for b in m.buffers())
+    assert expert_weight_bytes(arch, s) == (stored, state)
+    biggest = max(m.dequantized(n, 0).numel() for m in packed for n in m.shapes)
+    assert expert_workspace_bytes(arch, s) == biggest * (4 + 2)
