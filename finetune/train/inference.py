@@ -25,6 +25,8 @@ def load_run(run_dir: Path, merged: bool = False):
     `merged`, the merged model in RUN_DIR/merged (or RUN_DIR itself when it is a merged model's dir)."""
     from peft import PeftModel
 
+    from finetune.weights.expert_lora import adopt
+
     from finetune.weights.portable import quiet_peft_wrap
     from finetune.weights.model import load_model
     from finetune.weights.resolve import load_tokenizer
@@ -43,6 +45,7 @@ def load_run(run_dir: Path, merged: bool = False):
     base = load_model(recipe.model, recipe.quantization, quiet=True)
     with quiet_peft_wrap():
         model = PeftModel.from_pretrained(base, str(adapter))
+    adopt(model)  # 4-bit experts take the adapter through expert_lora.PackedExpertsLora
     model.eval()
     return recipe, tok, model
 
