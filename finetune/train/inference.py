@@ -25,6 +25,8 @@ def load_run(run_dir: Path, merged: bool = False):
     `merged`, the merged model in RUN_DIR/merged (or RUN_DIR itself when it is a merged model's dir)."""
     from peft import PeftModel
 
+    from finetune.train.preflight import refuse_remote_code
+    from finetune.util.untrusted import adapter_problem
     from finetune.weights.portable import quiet_peft_wrap
     from finetune.weights.model import load_model
     from finetune.weights.resolve import load_tokenizer
@@ -39,6 +41,10 @@ def load_run(run_dir: Path, merged: bool = False):
         # PEFT would fall back to adapter_model.bin: a pickle, which can run code when loaded.
         raise RecipeError([f"{adapter}: no adapter_model.safetensors (pickle adapters are refused); convert it, "
                            "or set model.allow_pickle: true in its recipe.yaml"])
+    refuse_remote_code(recipe)
+    why = adapter_problem(adapter)  # empty or truncated: one line, not safetensors' header traceback
+    if why:
+        raise RecipeError([why])
     tok = load_tokenizer(recipe.model, path=str(adapter))
     base = load_model(recipe.model, recipe.quantization, quiet=True)
     with quiet_peft_wrap():
@@ -57,6 +63,13 @@ def load_merged(path: Path):
         raise RecipeError([f"{path}: no merged model (neither {path}/merged/config.json nor {path}/config.json); "
                            f"run `finetune merge {path}` first"])
     recipe = read_recipe(path) if (path / "recipe.yaml").exists() else None
+    from finetune.util.untrusted import remote_code_problem, safetensors_problem
+
+    why = remote_code_problem(model_dir, recipe is not None and recipe.model.trust_remote_code)
+    bad = [f"{f}: {w}; re-run `finetune merge`" for f in sorted(model_dir.glob("*.safetensors"))
+           for w in [safetensors_problem(f)] if w]
+    if why or bad:
+        raise RecipeError([why] if why else bad)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", use_safetensors=True)
     model.eval()
