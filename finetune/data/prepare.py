@@ -123,6 +123,17 @@ def prune_cache(directory, keep: set, cap: int) -> list:
     return removed
 
 
+def _outside_vocab(ex: dict, vocab_size: int) -> str | None:
+    """A token id (input or label: the loss indexes the logits by its labels, which fails as badly) that the
+    model's embedding does not have; -100 (not trained) is no id."""
+    for key in ("input_ids", "labels", "rejected_ids", "rejected_labels"):
+        ids = [t for t in ex.get(key) or () if t != IGNORE]
+        if ids and max(ids) >= vocab_size:
+            field = "" if key == "input_ids" else f" in '{key}'"
+            return f"token id {max(ids)}{field} is outside the model's vocabulary ({vocab_size} ids)"
+    return None
+
+
 def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict, vocab_size: int | None = None) -> list[int]:
     """Indices of examples that train, after bad rows and the length policy (counted in `counts`). With
     `vocab_size`, a token id the model's embedding does not have makes the row bad (on a GPU it would
@@ -130,8 +141,8 @@ def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict, voca
     kept = []
     for i, ex in enumerate(examples):
         err = ex.pop("error")
-        if not err and vocab_size and ex["input_ids"] and max(ex["input_ids"]) >= vocab_size:
-            err = f"token id {max(ex['input_ids'])} is outside the model's vocabulary ({vocab_size} ids)"
+        if not err and vocab_size:
+            err = _outside_vocab(ex, vocab_size)
         if err:
             bad.add(ex["where"], err)
             continue

@@ -128,6 +128,20 @@ def stop_ids(tok, template: str | None) -> list[int]:
     return ids
 
 
+def check_context(model, tok, prompts: list, template: str | None, max_new_tokens: int) -> None:
+    """Each prompt plus `max_new_tokens` must fit the model's context (max_position_embeddings): past it the
+    positions have no trained meaning, and a huge --max-new-tokens would run for hours (exit 2)."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if not context:
+        return
+    longest = max(len(encode.prompt_ids(tok, p, template)) for p in prompts)
+    if longest + max_new_tokens > context:
+        which = "--prompt" if longest >= context else "--max-new-tokens"
+        raise RecipeError([f"{which}: the longest prompt has {longest} tokens and --max-new-tokens is {max_new_tokens}"
+                           f", more than the model's context of {context} tokens; shorten the prompt or give "
+                           f"--max-new-tokens at most {max(context - longest, 0)}"])
+
+
 @torch.no_grad()
 def generate(model, tok, prompts: list, template: str | None, max_new_tokens: int, sampling: dict | None = None,
              batch_size: int = 16) -> list[str]:
