@@ -33,8 +33,8 @@ DYING_RANK_BOUND = 45  # s: torchrun's monitor (0.1 s) + its 30 s grace before S
 STOP_BOUND = 60
 
 
-def launch(run, log):
-    return spawn_cli(ARGS + [f"output.dir={run}"], log, env={"OMP_NUM_THREADS": "1"}, launcher=LAUNCHER)
+def launch(run, log, extra=()):
+    return spawn_cli(ARGS + [f"output.dir={run}", *extra], log, env={"OMP_NUM_THREADS": "1"}, launcher=LAUNCHER)
 
 
 def newest_step(run) -> int:
