@@ -27,3 +27,24 @@ def test_out_of_range_arguments_are_refused(tiny_run, args, needle):
 def test_empty_and_overlong_prompts_are_refused(tiny_run, prompt, needle):
     p = run_cli(["generate", str(tiny_run), "--prompt", prompt], timeout=300)
     assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_eval_caps_a_large_held_out_set_and_says_so(tiny_run, tmp_path):
+    import json
+    import shutil
+
+    import yaml
+
+    rows = tmp_path / "heldout.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"say {i}:", "completion": f" {i}"}) + "\n" for i in range(300)))
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["data"]["eval_sources"] = [{"path": str(rows)}]
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    p = run_cli(["eval", str(run), "--max-rows", "40", "--json"], timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "eval: scoring the first 40 of 300 held-out rows" in p.stdout
+    assert json.loads(p.stdout.strip().splitlines()[-1])["eval_rows"] == 40
+    p = run_cli(["eval", str(run), "--max-rows", "-1"], timeout=300)
+    assert p.returncode == 2 and "--max-rows must be >= 0" in p.stderr and "Traceback" not in p.stderr
