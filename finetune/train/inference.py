@@ -131,7 +131,7 @@ def stop_ids(tok, template: str | None) -> list[int]:
 def check_context(model, tok, prompts: list, template: str | None, max_new_tokens: int) -> None:
     """Each prompt plus `max_new_tokens` must fit the model's context (max_position_embeddings): past it the
     positions have no trained meaning, and a huge --max-new-tokens would run for hours (exit 2)."""
-    context = getattr(model.config, "max_position_embeddings", None)
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     if not context:
         return
     longest = max(len(encode.prompt_ids(tok, p, template)) for p in prompts)

@@ -17,22 +17,6 @@ from ..conftest import ROOT, run_cli
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    run = tmp_path_factory.mktemp("outputs") / "run"
-    p = run_cli(["recipes/tiny_cpu.yaml", "train.max_steps=3", "train.warmup_steps=0", "train.save_every=1",
-                 "train.keep_checkpoints=3", f"output.dir={run}"])
-    assert p.returncode == 0, p.stderr
-    return run
-
-
-@pytest.fixture
-def run(finished_run, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(finished_run, copy)
-    return copy
-
-
 def _refused(p, code, *needles):
     assert p.returncode == code, (p.returncode, p.stderr[-3000:])
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
