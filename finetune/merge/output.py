@@ -7,7 +7,7 @@ what is written.
 - The merged model is readable as the umask says (a server running as another user must read it):
   mkdtemp's 0700 is widened to what a plain mkdir would have made.
 - The temporary sibling `.NAME.tmp-*` is flock-ed by its writer; a merge killed mid-way leaves it unlocked,
-  and the next merge into the same output removes it.
+  and the next merge into the same output removes it (finetune/util/sibling.py, shared with quantize and export).
 - An OSError while writing (read-only, disk full, quota) is one line naming the output and what was kept.
 """
 from __future__ import annotations
