@@ -46,7 +46,12 @@ def _merged_dir(run_dir: Path, merged: str | None) -> Path:
 
 
 def _converter_failed(proc, what: str) -> RuntimeError:
-    tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
+    lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+    failed_write = [ln for ln in lines if ln.startswith(("OSError", "PermissionError"))]
+    if failed_write:  # the disk filled up, a quota, a read-only folder: one line, not the converter's traceback
+        return RuntimeError(f"export: llama.cpp's {what} could not write the GGUF ({failed_write[-1]}); nothing was "
+                            "written to the output. Free space, or choose another --output")
+    tail = "\n".join(lines[-15:])
     return RuntimeError(f"export: llama.cpp's {what} failed (exit {proc.returncode}):\n{tail}")
 
 

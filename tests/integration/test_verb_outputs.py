@@ -82,6 +82,14 @@ def test_export_refuses_to_replace_what_it_did_not_write(run):
     assert p.returncode == 0, p.stderr[-3000:]
     assert sorted(f.name for f in (run / "gguf").iterdir()) == ["adapter-f16.gguf", "adapter-f16.gguf.json"]
     assert stat.S_IMODE((run / "gguf" / "adapter-f16.gguf").stat().st_mode) == 0o644
+    # A full disk (the kernel refuses writes past 30 kB, as a full disk would) is one line; the GGUF stays.
+    before = (run / "gguf" / "adapter-f16.gguf").read_bytes()
+    p = subprocess.run([sys.executable, "-m", "finetune", "export", str(run), "--adapter-only", "--greedy-prompts",
+                        "0"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, resource.RLIM_INFINITY)))
+    _refused(p, 1, "could not write the GGUF")
+    assert (run / "gguf" / "adapter-f16.gguf").read_bytes() == before
+    assert sorted(f.name for f in (run / "gguf").iterdir()) == ["adapter-f16.gguf", "adapter-f16.gguf.json"]
 
 
 def test_accelerate_config_never_overwrites_the_recipe_and_redacts_secrets(run, tmp_path):
