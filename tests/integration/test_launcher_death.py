@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-from .procs import wait_for_first_metrics
-from .test_distributed_faults import STOP_BOUND, launch, newest_step
+from .test_distributed_faults import STOP_BOUND, launch, newest_step, training
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -18,13 +17,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 def test_workers_checkpoint_and_exit_when_their_launcher_is_killed(tmp_path):
     import psutil
 
-    from .procs import rank_processes
-
     run = tmp_path / "run"
-    proc = launch(run, tmp_path / "a.log")
-    wait_for_first_metrics(run, lambda: proc.poll() is None, timeout=600)
-    ranks = rank_processes(proc.pid)
-    assert sorted(ranks) == [0, 1]
+    proc, ranks = training(run, tmp_path / "a.log")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
