@@ -3,7 +3,8 @@
 Reference, by target:
 - original: plain peft (LoRA layers unmerged) on the unquantized base, in fp32;
 - nf4: the 4-bit model exactly as training loaded it (bitsandbytes, the recipe's quant type, double
-  quant and model dtype) + the adapter in plain peft. Its compute dtype is set to fp32 for the check, so
+  quant and model dtype; MoE experts, which transformers leaves dense, quantized and dequantized expert
+  by expert as weights/experts4bit.py holds them) + the adapter in plain peft. Its compute dtype is set to fp32 for the check, so
   the comparison measures the merge, not bf16 matmul noise.
 The merged model is loaded with plain `AutoModelForCausalLM` in fp32 (bf16/fp16 weights upcast exactly).
 
@@ -98,6 +99,7 @@ def reference_model(src, target: str):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
+    from finetune.merge.experts import roundtrip_fused
     from finetune.merge.source import quant_spec
     from finetune.weights.portable import quiet_peft_wrap
 
@@ -114,6 +116,7 @@ def reference_model(src, target: str):
             # the dequantize-then-matmul path, which is what the merged weights reproduce: force it.
             if hasattr(m, "support_avx512bf16_for_cpu"):
                 m.support_avx512bf16_for_cpu = False
+        roundtrip_fused(base, q)  # transformers leaves MoE experts dense; training held them 4-bit
     else:
         base = AutoModelForCausalLM.from_pretrained(src.base_dir, dtype=torch.float32)
     with quiet_peft_wrap():

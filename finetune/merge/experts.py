@@ -97,3 +97,48 @@ def expert_delta(a: torch.Tensor, b: torch.Tensor, experts: int, scale: float, u
 
 def rank(a: torch.Tensor, experts: int) -> int:
     return a.shape[0] // experts
+
+
+def as_trained(name: str, w: torch.Tensor, read, q, model_type: str, experts: int) -> torch.Tensor | None:
+    """The expert weight `name` (`w`) as 4-bit training held it, for `--target nf4`: each expert quantized
+    alone, as weights/experts4bit.py quantizes it (gate and up rows together), then dequantized. A per-expert
+    tensor (Mixtral's w1) is quantized with its expert's other parts (`read(key)` reads one), and keeps its
+    rows. None when `name` is no expert weight."""
+    from finetune.merge.plan import quant_roundtrip
+
+    if name.endswith(tuple(f"experts.{p}" for p in ORDER)) and w.dim() == 3:
+        return torch.stack([quant_roundtrip(w[e], q) for e in range(w.shape[0])])
+    home = _expert_home(name, model_type, experts)
+    if home is None:
+        return None
+    parts = [w if key == name else read(key) for key in home]
+    lo = sum(p.shape[0] for p in parts[:home.index(name)])
+    return quant_roundtrip(torch.cat(parts), q)[lo:lo + w.shape[0]]
+
+
+def _expert_home(name: str, model_type: str, experts: int) -> list[str] | None:
+    """The checkpoint keys of the expert (and projection) that the per-expert tensor `name` belongs to."""
+    import re
+
+    from finetune.plan.archs import EXPERT_LAYOUTS
+
+    if model_type not in EXPERT_LAYOUTS:
+        return None
+    fused_at, stored, params = EXPERT_LAYOUTS[model_type]
+    m = re.fullmatch(rf"(.*)\.{re.escape(stored)}\.(\d+)\.(\w+)\.weight", name)
+    if not m:
+        return None
+    prefix, e, part = m.group(1), int(m.group(2)), m.group(3)
+    param = next((p for p, names in params.items() if part in names), None)
+    if param is None or e >= experts:
+        return None
+    return per_expert_keys(f"{prefix}.{fused_at}.{param}", model_type, experts)[e]
+
+
+def roundtrip_fused(model, q) -> None:
+    """Every fused 3-D expert parameter of a loaded model, as 4-bit training held it (as_trained)."""
+    for module in model.modules():
+        for pname in ORDER:
+            p = getattr(module, pname, None)
+            if isinstance(p, torch.nn.Parameter) and p.dim() == 3:
+                p.data = as_trained(f"experts.{pname}", p.data, None, q, "", 0).to(p.dtype)

@@ -88,6 +88,7 @@ class _Merger:
                                "adapter"], "adapter")
         base_cfg = json.loads((src.base_dir / "config.json").read_text())
         self.n_experts = base_cfg.get("num_local_experts") or base_cfg.get("num_experts") or 0
+        self.model_type, self.sources = base_cfg.get("model_type", ""), {t.name: t.source for t in infos}
         self.quant, self.four_bit = None, set()
         if target == "nf4":
             self.quant, self.four_bit = quant_spec(src.recipe), four_bit_weights(src.base_dir)
@@ -100,11 +101,21 @@ class _Merger:
         if self.handle_name != t.source:  # input shards are visited in order: one open at a time
             self.handle, self.handle_name = safe_open(str(self.src.base_dir / t.source), framework="pt"), t.source
         delta = self._delta(t)
-        quant = self.quant
+        quant, w = self.quant, self.handle.get_tensor(t.name)
+        four_bit = quant if t.name in self.four_bit else None
+        if quant is not None:  # MoE experts were 4-bit too, each expert quantized alone
+            trained = experts.as_trained(t.name, w, self._read, quant, self.model_type, self.n_experts)
+            w, four_bit = (w, four_bit) if trained is None else (trained, None)
         mag = self.adapter.get_tensor(self.magnitudes[t.name]) if t.name in self.magnitudes else None
-        return merged_tensor(self.handle.get_tensor(t.name), self.out_dtype, delta,
-                             quant=quant if t.name in self.four_bit else None,
+        return merged_tensor(w, self.out_dtype, delta, quant=four_bit,
                              cast_to=quant.dtype if quant is not None else None, magnitude=mag)
+
+    def _read(self, name: str) -> torch.Tensor:
+        """Another base tensor (an expert's other part), read alone."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.src.base_dir / self.sources[name]), framework="pt") as f:
+            return f.get_tensor(name)
 
     def _delta(self, t: TensorInfo) -> torch.Tensor | None:
         name, how = t.name, self.by_weight.get(t.name)

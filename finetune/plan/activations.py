@@ -77,11 +77,17 @@ def shared_lora_inputs(arch: Arch, s, t: int, names: set) -> int:
 
 
 def experts_saved_bytes(arch: Arch, s, t: int) -> int:
-    """MoE experts: each routed token's input to each expert matmul, and, for an adapted fused parameter,
+    """MoE experts held in the model dtype: each routed token's input to each expert matmul, and, for an adapted fused parameter,
     the adapted weight W + scale * B @ A that peft's parametrization builds (model dtype, all experts),
     which every expert's matmul keeps for backward."""
     cb, mb = MP_BYTES[s.mixed_precision], DTYPE_BYTES[s.model_dtype]
     adapted = {x.name for x in targeted_experts(arch, s)}
+    if s.quant in ("nf4", "fp4"):
+        # 4-bit experts (weights/experts4bit.py): the frozen matmul keeps nothing (it dequantizes again in
+        # backward); an adapted one keeps its routed input to A and B's input, and peft's factors cast
+        # to the model dtype once per step (A and B of all experts)
+        return sum(t * arch.experts_per_tok * (x.d_in + s.lora_r) * cb + s.lora_r * x.count * (x.d_in + x.d_out) * mb
+                   for x in arch.expert_params() if x.name in adapted)
     total = 0
     for x in arch.expert_params():
         total += t * arch.experts_per_tok * x.d_in * cb
@@ -129,8 +135,10 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
             total += batch * arch.heads * seq * seq * (4 + cb)
         total += t * (2 * q + 2 * kv) * cb + batch * arch.heads * seq * 4  # q, k, v, output + logsumexp
     inter = t * arch.experts_per_tok if arch.experts else t
-    # act input, act output and up (gated); lean MLPs recompute the act output
-    total += inter * i * mlp_bytes(s) * ((2 if lean(arch, s) else 3) if arch.gated_mlp() else 1)
+    # act input, act output and up (gated); lean MLPs recompute the act output. 4-bit experts' matmuls
+    # come out of autocast in the compute dtype (no peft Linear promotes them).
+    per = MP_BYTES[s.mixed_precision] if arch.experts and s.quant in ("nf4", "fp4") else mlp_bytes(s)
+    total += inter * i * per * ((2 if lean(arch, s) else 3) if arch.gated_mlp() else 1)
     if arch.experts:
         total += t * arch.experts * 4 * 2  # router logits and softmax
     return total

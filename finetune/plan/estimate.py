@@ -17,6 +17,8 @@ from finetune.plan import loading
 from finetune.plan.activations import (DTYPE_BYTES, MP_BYTES, activation_terms, dora_workspace_bytes,
                                        embedding_on_cpu, targeted, targeted_experts)
 from finetune.plan.archs import Arch, resolve
+from finetune.plan.quantized import (expert_weight_bytes, expert_workspace_bytes, experts_4bit, packed_4bit_bytes,
+                                     quant_constant_bytes)
 from finetune.plan.pinned import fsdp1_start_extra_bytes, fsdp_offload_bytes
 from finetune.util.units import GiB, fmt
 CUDA_CONTEXT = GiB // 2  # CUDA context, kernels and cuBLAS workspace: not visible to torch's allocator
@@ -101,22 +103,6 @@ def from_recipe(recipe) -> Setup:
 # Weights
 
 
-def packed_4bit_bytes(numel: int, storage: str) -> int:
-    # bitsandbytes packs two 4-bit codes per byte into a tensor of `storage` dtype: ((n + 1) // (2 * size), 1).
-    size = DTYPE_BYTES[storage]
-    return ((numel + 1) // (2 * size)) * size
-
-
-def quant_constant_bytes(numel: int, double_quant: bool, blocksize: int = 64) -> int:
-    """Blockwise absmax of one 4-bit tensor. Double quantization stores each absmax as one byte, with an
-    fp32 scale per 256 absmax values and one fp32 offset (0.127 instead of 0.5 bits per parameter)."""
-    blocks = -(-numel // blocksize)
-    code = 16 * 4  # the 16-entry NF4/FP4 code table each quant state carries
-    if not double_quant:
-        return blocks * 4 + code
-    return blocks + (-(-blocks // 256)) * 4 + 4 + code
-
-
 def lora_tensor_sizes(arch: Arch, s: Setup) -> list[int]:
     """Element counts of every adapter tensor (A: r x in, B: out x r, DoRA magnitude: out) in the whole model."""
     sizes = []
@@ -142,9 +128,8 @@ def weight_terms(arch: Arch, s: Setup) -> dict[str, int]:
     else:
         base, consts = sum(lin) * mb, 0
     emb = arch.vocab * arch.hidden * (1 if arch.tied else 2)
-    # MoE experts (3-D parameters) stay in the model dtype: bitsandbytes quantizes only nn.Linear
-    experts = sum(x.d_in * x.d_out * x.count for x in arch.expert_params()) * arch.layers * mb
-    return {"base_4bit": base, "quant_constants": consts, "experts": experts,
+    experts, expert_consts = expert_weight_bytes(arch, s)
+    return {"base_4bit": base, "quant_constants": consts + expert_consts, "experts": experts,
             "unquantized": (emb + arch.small_params()) * mb,
             "lora": sum(lora_tensor_sizes(arch, s)) * DTYPE_BYTES[s.lora_dtype]}
 
@@ -167,9 +152,11 @@ def describe_adapted(arch: Arch, s: Setup) -> str:
             f"({a['pct']:.1f}%)")
     if a["expert_total"]:
         names = ", ".join(x.name for x in targeted_experts(arch, s)) or "none"
-        line += (f"; MoE experts {100 * a['expert_adapted'] / a['expert_total']:.0f}% adapted ({names}), held in "
-                 f"{s.model_dtype}, not 4-bit: bitsandbytes quantizes nn.Linear only, and transformers 5 fuses "
-                 "the experts into 3-D parameters")
+        packed, consts = expert_weight_bytes(arch, s)
+        held = (f"held 4-bit ({s.quant}{', double quant' if s.double_quant else ''}, per expert): "
+                f"{(packed + consts) / 2**30:.2f} GiB" if experts_4bit(s)
+                else f"held in {s.model_dtype} ({packed / 2**30:.2f} GiB): the base is not 4-bit")
+        line += f"; MoE experts {100 * a['expert_adapted'] / a['expert_total']:.0f}% adapted ({names}), {held}"
     return line
 
 
@@ -292,7 +279,8 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     bd["logits_loss"] = act["logits_loss"]
     bd["fsdp_buffers"] = _fsdp_buffers(arch, s, w, shard)
     biggest = max(x.d_in * x.d_out for x in arch.linears())
-    bd["dequant_workspace"] = biggest * MP_BYTES[s.mixed_precision] if s.quant != "none" else 0
+    bd["dequant_workspace"] = max(biggest * MP_BYTES[s.mixed_precision] if s.quant != "none" else 0,
+                                  expert_workspace_bytes(arch, s))
     bd["dora_workspace"] = dora_workspace_bytes(arch, s)
     if s.device == "cuda":
         p.overhead = {"allocator_slack": int(FRAGMENTATION * sum(bd.values())), "cuda_context": CUDA_CONTEXT,
@@ -344,7 +332,7 @@ def _offload_units(arch: Arch, s: Setup, w: dict) -> tuple[list[int], list[int]]
     tensors = [packed_4bit_bytes(x.d_in * x.d_out, s.quant_storage) if s.quant in ("nf4", "fp4")
                else x.d_in * x.d_out * DTYPE_BYTES[s.model_dtype]
                for x in arch.linears() for _ in range(x.count)] * arch.layers
-    tensors += [x.d_in * x.d_out * x.count * DTYPE_BYTES[s.model_dtype] for x in arch.expert_params()] * arch.layers
+    tensors += [w["experts"] // max(1, arch.layers * len(arch.expert_params()))] * len(arch.expert_params()) * arch.layers
     tensors += [arch.vocab * arch.hidden * DTYPE_BYTES[s.model_dtype]] * (1 if arch.tied else 2)
     return units, tensors
 

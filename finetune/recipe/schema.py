@@ -194,6 +194,10 @@ class TrainSpec(_Section):
     """DPO: the inverse temperature of the implicit reward beta x (log pi - log pi_ref)."""
     label_smoothing: float = Field(0.0, ge=0, lt=0.5)
     """DPO: the assumed share of pairs whose preference is flipped (conservative DPO); 0: plain DPO."""
+    dpo_sft_weight: float = Field(0.0, ge=0)
+    """DPO: the weight of an SFT term added to the DPO loss, the mean NLL of the chosen answers' tokens (RPO,
+    Pang et al. 2024; TRL's `loss_type: [sigmoid, sft]` with `loss_weights: [1, w]`). It keeps the chosen
+    answers likely while the margin grows, where plain DPO may lower both; 0: plain DPO."""
     orpo_lambda: float = Field(0.1, gt=0)
     """ORPO: the weight of the odds-ratio term beside the SFT loss on the chosen answer."""
     seed: int = Field(42, ge=0, le=SEED_MAX)

@@ -27,6 +27,7 @@ def load_run(run_dir: Path, merged: bool = False):
 
     from finetune.train.preflight import refuse_remote_code
     from finetune.util.untrusted import adapter_problem
+    from finetune.weights.expert_lora import adopt
     from finetune.weights.portable import quiet_peft_wrap
     from finetune.weights.model import load_model
     from finetune.weights.resolve import load_tokenizer
@@ -49,6 +50,7 @@ def load_run(run_dir: Path, merged: bool = False):
     base = load_model(recipe.model, recipe.quantization, quiet=True)
     with quiet_peft_wrap():
         model = PeftModel.from_pretrained(base, str(adapter))
+    adopt(model)  # 4-bit experts take the adapter through expert_lora.PackedExpertsLora
     model.eval()
     return recipe, tok, model
 

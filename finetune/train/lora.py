@@ -15,12 +15,15 @@ from finetune.weights.portable import quiet_peft_wrap
 def expert_parameters(model) -> list[str]:
     """Suffixes (`experts.gate_up_proj`, ...) of the fused 3-D MoE expert parameters of `model`: the
     parameters of a module whose class name ends in `Experts` (transformers 5's MixtralExperts,
-    Qwen3MoeExperts), in model order, each once."""
+    Qwen3MoeExperts, or their 4-bit PackedExperts), in model order, each once."""
+    from finetune.weights.experts4bit import PackedExperts
+
     found: list[str] = []
     for module in model.modules():
         if type(module).__name__.endswith("Experts"):
             for pname, p in module.named_parameters(recurse=False):
-                if p.dim() == 3 and f"experts.{pname}" not in found:
+                fused = p.dim() == 3 or isinstance(module, PackedExperts)  # 4-bit experts: packed bytes
+                if fused and f"experts.{pname}" not in found:
                     found.append(f"experts.{pname}")
     return found
 
@@ -88,6 +91,10 @@ def apply_lora(model, spec: LoraSpec, seed: int, plan=None):
         config.use_dora = False  # peft would read placeholders: add_dora makes DoRA weight by weight
     with quiet_peft_wrap():
         model = get_peft_model(model, config, autocast_adapter_dtype=False)
+    if config.target_parameters:
+        from finetune.weights.expert_lora import adopt
+
+        adopt(model)  # 4-bit experts: peft's ParamWrapper with a forward that fits packed bytes
     if streamed_dora:
         add_dora(model, plan)
     # Master copies of the trainable weights stay in the adapter dtype (fp32 default): the optimizer updates

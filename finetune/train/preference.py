@@ -7,7 +7,8 @@ answer tokens of the per-token log-probs, which the chunked output head (train.l
 holding [tokens x vocab] logits.
 
 DPO (Rafailov et al. 2023), the sigmoid loss: -log sigmoid(beta x ((c - c_ref) - (r - r_ref))) per pair,
-with label smoothing eps: (1 - eps) x that + eps x the same for the flipped pair (conservative DPO).
+with label smoothing eps: (1 - eps) x that + eps x the same for the flipped pair (conservative DPO), and
+optionally `dpo_sft_weight` x the mean NLL of the chosen answers' tokens (RPO).
 ORPO (Hong et al. 2024), reference-free: the mean NLL of the chosen answers' tokens minus lambda x the mean
 of log sigmoid(log odds(chosen) - log odds(rejected)), odds from the per-token average log-probs.
 """
@@ -89,6 +90,10 @@ def pair_losses(logps, counts, ref_logps, train_spec, norm=(1.0, 1.0)):
         ref = ref_logps.to(logps.device, logps.dtype)
         losses, rc, rr = dpo_losses(chosen, rejected, ref[:b], ref[b:], train_spec.beta, train_spec.label_smoothing)
         loss = losses.sum() / norm[0]
+        if train_spec.dpo_sft_weight:
+            nll = -chosen.sum()
+            loss = loss + train_spec.dpo_sft_weight * nll / norm[1]
+            stats.update(nll=nll.detach(), nll_tokens=counts[:b].sum().to(logps.dtype))
     else:
         counts = counts.clamp(min=1).to(logps.dtype)
         chosen_mean, rejected_mean = chosen / counts[:b], rejected / counts[b:]
@@ -108,8 +113,10 @@ def step_metrics(totals: dict) -> dict:
     """The metrics line of a step from its STAT_KEYS sums over micro-batches and ranks."""
     pairs = max(totals.get("pairs", 0.0), 1.0)
     out = {k: round(totals[k] / pairs, 6) for k in ("rewards_chosen", "rewards_rejected", "margin", "accuracy")}
-    if totals.get("nll_tokens"):
-        out.update(log_odds=round(totals["log_odds"] / pairs, 6), nll=round(totals["nll"] / totals["nll_tokens"], 6))
+    if "log_odds" in totals:  # ORPO
+        out["log_odds"] = round(totals["log_odds"] / pairs, 6)
+    if totals.get("nll_tokens"):  # ORPO, and DPO with dpo_sft_weight
+        out["nll"] = round(totals["nll"] / totals["nll_tokens"], 6)
     return out
 
 

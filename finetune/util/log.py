@@ -46,3 +46,15 @@ if not log.handlers:
     log.addHandler(_handler)
     log.setLevel(logging.INFO)
     log.propagate = False  # the root logger's handlers (a notebook's, a library's) would print it twice
+
+
+class _NoHubKernelNotice(logging.Filter):
+    """bitsandbytes (0.50, CPUs with AVX512-BF16) warns at import that it could not fetch an optional 4-bit
+    matmul from the Hugging Face hub ("pip install kernels"): that kernel is downloaded at run time, which
+    finetune never does, and bitsandbytes' own CPU kernel runs instead. Nothing for the user to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "kernels-community" not in record.getMessage()
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_NoHubKernelNotice())

@@ -25,6 +25,7 @@ import torch
 
 from finetune.weights.heap import loading_objects_only, release_freed_memory
 from finetune.weights.packed import quantized_range
+from finetune.weights.packed_experts import expert_range
 
 
 def swap_storage(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
@@ -139,6 +140,9 @@ def _part(plan, module, pname: str, param, spans: dict, info) -> torch.Tensor | 
     e = plan.find(module, pname)
     if e is None:
         raise RuntimeError(f"FSDP1: {type(module).__name__}.{pname} is on meta and neither loaded nor stashed")
+    if e.experts:  # packed MoE experts: the state of every expert goes to the module's buffers
+        local = expert_range(plan.stream, e, spans)
+        return local if mine else None
     if e.packed:
         local, qs = quantized_range(plan.stream, e, spans)  # the quantization state whole on every rank
         module.quant_state = param.quant_state = qs

@@ -14,6 +14,7 @@ import torch
 from finetune.weights.heap import loading_objects_only, release_freed_memory
 from finetune.weights.loadplan import Entry, LoadPlan
 from finetune.weights.packed import quantized_range
+from finetune.weights.packed_experts import expert_range
 from finetune.weights.reader import materialize
 
 
@@ -24,6 +25,8 @@ def _local_chunk(plan: LoadPlan, e: Entry, rank: int, world: int) -> torch.Tenso
     mesh that is not the placement's (no case today) gets the whole parameter, cut here."""
     stream, shape = plan.stream, e.full_shape()
     pl = stream.placement
+    if e.experts and (rank, world) == (pl.rank, pl.world):
+        return expert_range(stream, e, stream.chunk_spans(shape, world)).view(-1, *shape[1:])
     if e.packed and (rank, world) == (pl.rank, pl.world):
         # the packed weight is stored (elements, 1): its dim-0 chunks are ranges of packed elements
         local, e.module.quant_state = quantized_range(stream, e, stream.chunk_spans(shape, world))

@@ -19,6 +19,7 @@ class Entry:
     dtype: torch.dtype  # the dtype it is stored in here (a 4-bit weight's: its packed storage dtype)
     shape: tuple  # its shape in the model (a 4-bit weight's: the unquantized (out, in))
     q: dict | None = None  # a 4-bit weight's quantization arguments (blocksize, quant_type, ...)
+    experts: int = 0  # packed MoE experts (experts4bit.py): how many; `shape` is then [E, out, in]
 
     @property
     def packed(self) -> bool:
@@ -26,16 +27,18 @@ class Entry:
 
     @property
     def rows(self) -> int:
-        return self.module.out_features
+        """Rows of one quantized matrix (of one expert, for packed experts)."""
+        return self.shape[1] if self.experts else self.module.out_features
 
     @property
     def cols(self) -> int:
-        return self.module.in_features
+        return self.shape[2] if self.experts else self.module.in_features
 
     def packed_elements(self) -> int:
-        """Elements (of the storage dtype) of the packed weight: bitsandbytes' (n + 1) // (2 * itemsize)."""
+        """Elements (of the storage dtype) of the packed weight: bitsandbytes' (n + 1) // (2 * itemsize);
+        packed experts hold one such run per expert."""
         size = torch.empty((), dtype=self.q["quant_storage"]).element_size()
-        return (self.rows * self.cols + 1) // (2 * size)
+        return max(1, self.experts) * ((self.rows * self.cols + 1) // (2 * size))
 
     def full_shape(self) -> tuple[int, ...]:
         """The parameter's shape when set: packed 4-bit weights are (bytes / storage itemsize, 1), as

@@ -16,10 +16,9 @@ import torch
 
 from finetune.weights.placement import comm_device
 from finetune.weights.quantize import piece_bounds, quant_state, quantize_piece, read_pieces
-from finetune.weights.reader import Stream
 
 
-def quantized_range(stream: Stream, entry, spans: dict) -> tuple[torch.Tensor, object]:
+def quantized_range(stream, entry, spans: dict) -> tuple[torch.Tensor, object]:  # stream: reader.Stream
     """(this rank's packed elements [start, stop) as a flat tensor, the weight's QuantState), where `spans`
     maps each global rank of this machine to its (start, stop) in packed elements (ranks that want nothing
     may be left out). Collective over the machine, in the same order on every rank."""
@@ -40,14 +39,11 @@ def quantized_range(stream: Stream, entry, spans: dict) -> tuple[torch.Tensor, o
     return local, QuantState.from_dict(dict(stats), device=pl.device)
 
 
-def _quantize_and_send(stream: Stream, entry, spans: dict) -> tuple[torch.Tensor, dict | None]:
+def _quantize_and_send(stream, entry, spans: dict) -> tuple[torch.Tensor, dict | None]:
     """The reader quantizes piece by piece and sends each rank the part of every piece that falls in its
     span; the others receive theirs in place. Every rank walks the same pieces (piece_bounds)."""
-    import torch.distributed as dist
-
     pl, q = stream.placement, entry.q
     comm, reading = comm_device(pl), pl.rank == pl.reader
-    machine = range(pl.reader, pl.reader + pl.local_world)
     lo, hi = spans.get(pl.rank, (0, 0))
     local = torch.empty(max(0, hi - lo), dtype=q["quant_storage"], device=pl.device if reading else comm)
     pieces = read_pieces(stream.ckpt, entry, stream.dtype, pl.device) if reading else None
@@ -59,16 +55,7 @@ def _quantize_and_send(stream: Stream, entry, spans: dict) -> tuple[torch.Tensor
             packed, a = quantize_piece(next(pieces), q)
             packed = packed.view(-1)
             absmax.append(a)
-        for r in machine:
-            s, e = max(spans.get(r, (0, 0))[0], plo), min(spans.get(r, (0, 0))[1], phi)
-            if e <= s:
-                continue
-            if reading and r == pl.rank:
-                local[s - lo:e - lo].copy_(packed[s - plo:e - plo])
-            elif reading:
-                dist.send(packed[s - plo:e - plo].to(comm).contiguous().view(torch.uint8), dst=r)
-            elif r == pl.rank:
-                dist.recv(local[s - lo:e - lo].view(torch.uint8), src=pl.reader)
+        deliver(pl, spans, (plo, phi), packed if reading else None, local, lo)
         if reading:
             del packed
     if not reading:
@@ -76,3 +63,23 @@ def _quantize_and_send(stream: Stream, entry, spans: dict) -> tuple[torch.Tensor
     shape = torch.Size((entry.rows, entry.cols))
     qs = quant_state(absmax, shape, stream.dtype, pl.device, q)
     return local, {k: v.cpu() if torch.is_tensor(v) else v for k, v in qs.as_dict(packed=True).items()}
+
+
+def deliver(pl, spans: dict, piece_span: tuple[int, int], packed, local: torch.Tensor, lo: int) -> None:
+    """One packed piece covering elements [plo, phi) of the weight: the reader (`packed` its bytes, None on
+    the other ranks) copies its own part into `local` (which starts at element `lo`) and sends every other
+    rank of the machine the part of the piece in that rank's span; those receive it in place."""
+    import torch.distributed as dist
+
+    plo, phi = piece_span
+    comm, reading = comm_device(pl), pl.rank == pl.reader
+    for r in range(pl.reader, pl.reader + pl.local_world):
+        s, e = max(spans.get(r, (0, 0))[0], plo), min(spans.get(r, (0, 0))[1], phi)
+        if e <= s:
+            continue
+        if reading and r == pl.rank:
+            local[s - lo:e - lo].copy_(packed[s - plo:e - plo])
+        elif reading:
+            dist.send(packed[s - plo:e - plo].to(comm).contiguous().view(torch.uint8), dst=r)
+        elif r == pl.rank:
+            dist.recv(local[s - lo:e - lo].view(torch.uint8), src=pl.reader)

@@ -195,6 +195,10 @@ def materialize(stream: Stream, entry):
     """The whole parameter of the load plan's `entry`, on every rank (collective)."""
     import bitsandbytes as bnb
 
+    if entry.experts:
+        from finetune.weights.packed_experts import whole_experts
+
+        return whole_experts(stream, entry)
     if entry.packed:
         packed, qs = stream.quantized(entry)
         entry.module.quant_state = qs  # where bitsandbytes finds it again after FSDP gathers the weight

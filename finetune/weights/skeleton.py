@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from finetune.util.errors import RecipeError
+from finetune.weights.experts4bit import PackedExperts, expert_parameter, pack_experts
 from finetune.weights.heap import loading_objects_only, release_freed_memory
 from finetune.weights.loadplan import Entry, LoadPlan
 from finetune.weights.placement import Placement
@@ -39,7 +40,15 @@ def skeleton(path: Path, config, dtype: torch.dtype, bnb, prequantized: bool, at
         quantizer.preprocess_model(model=model, dtype=dtype, device_map=None, checkpoint_files=None,
                                    use_kernels=False)
         model.hf_quantizer = quantizer
+        if not prequantized:
+            pack_experts(model, expert_q(bnb), dtype)  # fused MoE experts: 4-bit too (experts4bit.py)
     return model, quantizer
+
+
+def expert_q(bnb) -> dict:
+    """The 4-bit arguments of packed experts: those transformers gives every Linear4bit of this config."""
+    return {"blocksize": 64, "compress_statistics": bnb.bnb_4bit_use_double_quant,
+            "quant_type": bnb.bnb_4bit_quant_type, "quant_storage": bnb.bnb_4bit_quant_storage}
 
 
 def plan_entries(model, ckpt: Checkpoint) -> list[Entry]:
@@ -60,7 +69,10 @@ def plan_entries(model, ckpt: Checkpoint) -> list[Entry]:
                 missing.append(key)
                 continue
             entry = Entry(module, pname, key, p.dtype, tuple(p.shape))
-            if isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
+            if isinstance(module, PackedExperts):
+                entry.q, entry.dtype = module.q, module.q["quant_storage"]
+                entry.shape, entry.experts = module.shapes[pname], module.num_experts
+            elif isinstance(module, bnb.nn.Linear4bit) and pname == "weight":
                 w = module.weight
                 entry.q = {"blocksize": w.blocksize, "compress_statistics": w.compress_statistics,
                            "quant_type": w.quant_type, "quant_storage": w.quant_storage}
@@ -137,6 +149,8 @@ def placeholder(e: Entry, shape: tuple, device: str) -> torch.nn.Parameter:
     """An unset parameter of the right class and dtype: a Params4bit (with its quantization arguments,
     which peft reads when it wraps the layer) for a 4-bit weight, a plain frozen Parameter otherwise."""
     data = torch.empty(shape, dtype=e.dtype, device=device)
+    if e.experts:
+        return expert_parameter(data, e.shape)
     if e.packed:
         import bitsandbytes as bnb
 

@@ -160,8 +160,10 @@ def test_cli_overrides_and_bad_input(tmp_path):
     # A first run's output holds no library warning the user cannot act on (train and eval, as the README runs them).
     ev = run_cli(["eval", str(out), "--json"])
     assert ev.returncode == 0, ev.stderr[-2000:]
+    # Nothing at all on stderr: a library notice need not say "Warning" (bitsandbytes' "Failed to load CPU
+    # gemm_4bit_forward from kernels-community" on CPUs with AVX512-BF16 did not).
     for text in (p.stderr, ev.stderr):
-        assert "Warning" not in text, text[-2000:]
+        assert text.strip() == "", text[-2000:]
     bad = tmp_path / "bad.yaml"
     cases = {
         "missing": (["does/not/exist.yaml"], "no such file"),

@@ -57,14 +57,19 @@ def test_tied_head_is_planned_once():
     assert w["unquantized"] == (arch.vocab * arch.hidden + arch.small_params()) * 2
 
 
-def test_moe_experts_are_fused_bf16_parameters_with_adapters():
+def test_moe_experts_are_planned_4bit_with_adapters():
     s = E.Setup(model="Qwen/Qwen3-30B-A3B", model_dtype="bfloat16", quant_storage="bfloat16", lora_r=16)
     arch = resolve(s.model)[0]
     assert arch.experts == 128 and arch.intermediate == 768  # moe_intermediate_size, not the dense width
     assert [x.name for x in arch.linears()] == ["q_proj", "k_proj", "v_proj", "o_proj"]  # all-linear's reach
     experts = sum(x.d_in * x.d_out * x.count for x in arch.expert_params()) * arch.layers
     w = E.weight_terms(arch, s)
-    assert w["experts"] == experts * 2  # bf16: bitsandbytes quantizes nn.Linear only
+    assert w["experts"] == experts // 2  # 4-bit: two codes a byte (weights/experts4bit.py)
+    # the per-expert quantization state (one absmax byte per 64, a scale per 256 blocks, an offset) is held whole
+    blocks = experts // 64
+    assert blocks < w["quant_constants"] - E.weight_terms(arch, E.Setup(model=s.model, quant="none"))["quant_constants"]
+    assert E.weight_terms(arch, E.Setup(model=s.model, quant="none", model_dtype="bfloat16"))["experts"] == experts * 2
+    assert 13 * 2**30 < w["experts"] < 14 * 2**30  # Qwen3-30B-A3B: 54 GiB of bf16 experts -> 13.5 GiB
     # ParamWrapper: A [r*E, in] and B [out, r*E] per fused parameter, per layer
     per_layer = 16 * 128 * (2048 + 1536) + 16 * 128 * (768 + 2048)
     assert sum(E.lora_tensor_sizes(arch, s)) - sum(E.lora_tensor_sizes(arch, E.Setup(
@@ -73,7 +78,8 @@ def test_moe_experts_are_fused_bf16_parameters_with_adapters():
     assert share["expert_adapted"] == share["expert_total"] == experts
     frozen = E.adapted_share(arch, E.Setup(model=s.model, lora_expert_targets=[]))
     assert frozen["expert_adapted"] == 0 and frozen["pct"] < 5  # a silently frozen expert set shows
-    assert "MoE experts 0% adapted (none)" in E.describe_adapted(arch, E.Setup(model=s.model, lora_expert_targets=[]))
+    line = E.describe_adapted(arch, E.Setup(model=s.model, lora_expert_targets=[]))
+    assert "MoE experts 0% adapted (none), held 4-bit (nf4, double quant, per expert): 13.9" in line
 
 
 def test_hub_expert_layouts():

@@ -33,13 +33,13 @@ def _ours(logps, mask, spec, ref=None):
     return pair_losses(summed, counts, ref, spec, norm=(pairs, chosen_tokens))
 
 
-def _trl_dpo(logps, mask, ref, beta):
+def _trl_dpo(logps, mask, ref, beta, losses=("sigmoid",), weights=(1.0,)):
     from trl.trainer.dpo_trainer import DPOTrainer
 
     acc = SimpleNamespace(device=torch.device("cpu"), gather=lambda x: x, gather_for_metrics=lambda x: x)
     fake = SimpleNamespace(model=SimpleNamespace(training=True), accelerator=acc, aux_loss_enabled=False,
                            ld_alpha=None, precompute_ref_logps=True, f_divergence_type="reverse_kl",
-                           loss_types=["sigmoid"], loss_weights=[1.0], beta=beta, label_smoothing=0.0,
+                           loss_types=list(losses), loss_weights=list(weights), beta=beta, label_smoothing=0.0,
                            use_weighting=False, _metrics=defaultdict(lambda: defaultdict(list)),
                            _total_train_tokens=0, _tp_size=1)
     shift = mask[:, 1:]
@@ -68,6 +68,23 @@ def test_dpo_loss_and_gradient_equal_trl(beta):
     for ours_key, trl_key in (("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected"),
                               ("margin", "rewards/margins"), ("accuracy", "rewards/accuracies")):
         assert abs(stats[ours_key].item() / B - metrics[trl_key][0]) < 1e-6, ours_key
+
+
+@pytest.mark.parametrize("weight", [0.5, 2.0])
+def test_dpo_with_an_sft_term_equals_trl_sigmoid_plus_sft(weight):
+    """train.dpo_sft_weight w is TRL's loss_type [sigmoid, sft] with loss_weights [1, w] (RPO)."""
+    logps, mask = _per_token(3)
+    ref = -torch.rand(2 * B, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 10
+    ours, stats = _ours(logps, mask, TrainSpec(method="dpo", beta=0.1, dpo_sft_weight=weight), ref)
+    (g_ours,) = torch.autograd.grad(ours, logps)
+    theirs, _ = _trl_dpo(logps, mask, ref, 0.1, ("sigmoid", "sft"), (1.0, weight))
+    (g_theirs,) = torch.autograd.grad(theirs, logps)
+    plain, _ = _ours(logps, mask, TrainSpec(method="dpo", beta=0.1), ref)
+    assert abs(ours.item() - plain.item()) > 0.1  # the term is there
+    assert abs(ours.item() - theirs.item()) < 1e-6
+    assert torch.allclose(g_ours, g_theirs, atol=1e-6, rtol=0)
+    nll = -(logps[:B] * mask[:B, 1:]).sum() / mask[:B, 1:].sum()
+    assert abs(stats["nll"].item() / stats["nll_tokens"].item() - nll.item()) < 1e-9
 
 
 def test_dpo_label_smoothing_is_conservative_dpo():

@@ -75,3 +75,39 @@ def test_fsdp1_internals_the_meta_fill_uses_are_still_there():
     for attr in ("_param_infos", "_shard_param_infos", "_params", "_shared_params", "_offload_params",
                  "uses_sharded_strategy"):
         assert attr in source, attr
+
+
+def test_peft_param_wrapper_behaviour_packed_experts_rely_on():
+    """weights/expert_lora.py and weights/experts4bit.py lean on three things of peft's ParamWrapper that
+    its docs do not promise: it sizes a parameter's adapters from `ds_shape` when the parameter has one
+    (the packed 4-bit experts' logical [E, out, in]); `get_delta_factors` gives per-expert (lhs, rhs,
+    scaling) with delta_e = scaling * lhs_e @ rhs_e equal to get_delta_weight's; and it nests a second
+    wrapped parameter of one module only inside a class named exactly ParamWrapper (hence `adopt`
+    swaps the class after injection rather than dispatching a subclass)."""
+    import inspect
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import ParamWrapper
+    from peft.tuners.tuners_utils import BaseTuner
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(6, 1), requires_grad=False)  # "packed"
+            self.gate_up_proj.ds_shape = torch.Size((3, 10, 4))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = Experts()
+
+    model = get_peft_model(Model(), LoraConfig(r=2, target_modules=[], target_parameters=["experts.gate_up_proj"],
+                                               init_lora_weights=False))
+    wrapper = model.base_model.model.experts
+    assert type(wrapper) is ParamWrapper and wrapper.num_experts == 3
+    assert wrapper.lora_A["default"].weight.shape == (2 * 3, 4) and wrapper.lora_B["default"].weight.shape == (10, 2 * 3)
+    lhs, rhs, scaling = wrapper.get_delta_factors("default")
+    assert lhs.shape == (3, 10, 2) and rhs.shape == (3, 2, 4)
+    torch.testing.assert_close(scaling * lhs @ rhs, wrapper.get_delta_weight("default"))
+    assert '.__class__.__name__ != "ParamWrapper"' in inspect.getsource(BaseTuner._inject_parameters)
