@@ -20,15 +20,23 @@ def run(a) -> int:
     from pathlib import Path
 
     from finetune.commands.common import at_least_one, load_recipe
-    from finetune.plan.launcher import accelerate_config, render_config
+    from finetune.plan.launcher import HEADER, accelerate_config, render_config
+    from finetune.util import atomic
+    from finetune.util.errors import RecipeError
+    from finetune.util.redact import redact
 
     at_least_one(a, "gpus", "machines")
     r = load_recipe(a)
     shown = " ".join([a.recipe] + a.overrides)
-    text = render_config(r, accelerate_config(r, a.gpus, a.machines, cpu=a.cpu), shown)
+    # The command line is copied into the file's header: a secret pasted into an override stays out of it.
+    text = redact(render_config(r, accelerate_config(r, a.gpus, a.machines, cpu=a.cpu), shown))
     if a.output:
-        Path(a.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.output).write_text(text)
+        out = Path(a.output)
+        if out.is_dir() or out.is_symlink() or (out.exists() and not out.read_bytes().startswith(HEADER.encode())):
+            raise RecipeError([f"--output: {out} exists and is not a launcher config that accelerate-config wrote "
+                               "(the recipe itself?); name another file"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(out, text)
         print(f"wrote {a.output}")
     else:
         print(text, end="")

@@ -130,11 +130,13 @@ def run(args) -> int:
     from finetune.data.prepare import prepare
     from finetune.plan.archs import vocab_size
     from finetune.recipe import DataSource
+    from finetune.train.preflight import refuse_remote_code
     from finetune.weights.resolve import resolve_attention
 
     if args.show < 0:
         raise RecipeError(["--show: must be >= 0"])
     recipe = load_recipe(args)
+    refuse_remote_code(recipe)  # a config that asks for its own code: one line, not transformers' traceback
     if args.dataset:
         recipe.data.sources = [DataSource(path=args.dataset)]
         recipe.data.eval_sources = []

@@ -9,6 +9,8 @@ def register(sub) -> None:
                        description="Held-out loss and exact match of a run.")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--max-rows", type=int, default=2000,
+                   help="score at most this many held-out rows (default 2000, said when it applies; 0: all)")
     p.set_defaults(run=run)
 
 
@@ -17,7 +19,11 @@ def run(args) -> int:
 
     from finetune.train.inference import run_eval
 
-    res = run_eval(args.run_dir)
+    from finetune.util.errors import RecipeError
+
+    if args.max_rows < 0:
+        raise RecipeError([f"--max-rows must be >= 0, got {args.max_rows}"])
+    res = run_eval(args.run_dir, args.max_rows)
     for k, v in res.items():
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
     if args.json:

@@ -42,16 +42,35 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+def check_arguments(args) -> None:
+    """Every numeric argument in range and every prompt non-empty, before anything loads (exit 2)."""
+    import math
+
+    from finetune.util.errors import RecipeError
+
+    bad = []
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        bad.append(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        bad.append(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        bad.append(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.seed is not None and not 0 <= args.seed < 2 ** 32:
+        bad.append(f"--seed must be 0 to 2^32-1, got {args.seed}")
+    bad += [f"--prompt #{i + 1} is empty; give the text to continue" for i, p in enumerate(args.prompt) if not p.strip()]
+    if bad:
+        raise RecipeError(bad)
+
+
 def run(args) -> int:
     import contextlib
     import json
 
     from finetune.data.encode import chat_template
-    from finetune.train.inference import generate, load_run, trains_chat
+    from finetune.train.inference import check_context, generate, load_run, trains_chat
     from finetune.util.errors import RecipeError
 
-    if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
-        raise RecipeError(["--temperature must be >= 0 and --top-p in (0, 1]"])
+    check_arguments(args)
     recipe, tok, model = load_run(args.run_dir, merged=args.merged)
     chat = args.chat if args.chat is not None else (recipe is not None and trains_chat(recipe))
     template = (chat_template(recipe.data, tok) if recipe is not None else tok.chat_template) if chat else None
@@ -66,6 +85,7 @@ def run(args) -> int:
         from transformers import set_seed
 
         set_seed(args.seed)
+    check_context(model, tok, prompts, template, mnt)  # bounded by the model's context, not by time
     with model.disable_adapter() if args.no_adapter else contextlib.nullcontext():
         outs = generate(model, tok, prompts, template, mnt, sampling)
     for t, o in zip(texts, outs):

@@ -11,6 +11,9 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train a recipe (`finetune RECIPE` is the same)",
                        description="Train a recipe into its output.dir; re-running the same command resumes.")
     add_recipe_arguments(p)
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace a finished run in output.dir (an adapter, no checkpoint to resume) trained with "
+                        "other values; without it such a run is refused")
     p.set_defaults(run=run)
 
 
@@ -32,6 +35,11 @@ def run(a) -> int:
         raise RunError([p.render() for p in errors], a.recipe)
     if errors:
         raise RecipeError([p.render() for p in errors], a.recipe)
+    from finetune.recipe.rundir import finished_run
+
+    replaced = None if a.overwrite else finished_run(Path(recipe.output.dir), recipe)
+    if replaced:
+        raise RecipeError([replaced], a.recipe)
     from finetune.train.loop import train
 
     result = train(recipe, Path(recipe.output.dir))

@@ -121,9 +121,13 @@ def render_chat(tok, messages: list[dict], template: str, gen: bool = False, too
     """The chat as training renders it (chat.normalize, the row's tools); with `gen`, followed by the
     template's start of an assistant turn."""
     from finetune.data.chat import normalize
+    from finetune.util.budget import limited
 
-    return tok.apply_chat_template(normalize(messages), tools=tools, chat_template=template, tokenize=False,
-                                   add_generation_prompt=gen)
+    # The template is code from the tokenizer or the run dir: bounded, so one that loops is an error, not a hang.
+    with limited("the chat template", "fix the template (data.chat_template, or chat_template.jinja beside the "
+                 "tokenizer) or raise FINETUNE_TEMPLATE_SECONDS"):
+        return tok.apply_chat_template(normalize(messages), tools=tools, chat_template=template, tokenize=False,
+                                       add_generation_prompt=gen)
 
 
 def prompt_ids(tok, prompt, template: str | None = None) -> list[int]:

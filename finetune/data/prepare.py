@@ -67,22 +67,32 @@ def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str)
     import datasets
     from datasets.fingerprint import Hasher
 
-    from finetune.plan.disk import data_cache_cap, data_cache_dir
+    from finetune.plan.disk import data_cache_cap, data_cache_dir, probe_writable
 
     texts = [json.dumps(r, ensure_ascii=False, sort_keys=True, default=str) for _, r in pairs]
     fmts = [f for f, _ in pairs]
     key = Hasher.hash([ENCODER_VERSION, texts, fmts, _tokenizer_fingerprint(tok), spec.train_on_inputs,
                        chat_template(spec, tok), spec.max_seq_len])
     cache = data_cache_dir() / f"{what}-{key}.arrow"
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    if cache.exists():
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        unusable = probe_writable(cache.parent)
+    except OSError as e:
+        unusable = e.strerror or str(e)
+    if unusable:  # a read-only or misplaced cache costs the cache, not the run
+        from finetune.util.log import log
+
+        log.warning(f"data cache: cannot write to {cache.parent} ({unusable}); tokenizing without a cache (set "
+                    "FINETUNE_CACHE to a writable directory)")
+    elif cache.exists():
         os.utime(cache)  # recently used: kept by the pruning below
     ds = datasets.Dataset.from_dict({"row": texts, "fmt": fmts})
     out = ds.map(_encode_batch, batched=True, with_indices=True, batch_size=256, fn_kwargs={"tok": tok, "spec": spec},
-                 remove_columns=["row", "fmt"], cache_file_name=str(cache), new_fingerprint=key,
-                 desc=f"tokenizing {what} rows")
-    _USED.add(cache)
-    prune_cache(cache.parent, _USED, data_cache_cap())
+                 remove_columns=["row", "fmt"], cache_file_name=None if unusable else str(cache),
+                 keep_in_memory=bool(unusable), new_fingerprint=key, desc=f"tokenizing {what} rows")
+    if not unusable:
+        _USED.add(cache)
+        prune_cache(cache.parent, _USED, data_cache_cap())
     cols = out.to_dict()
     del ds, out
     _release_arrow_memory()
@@ -123,6 +133,17 @@ def prune_cache(directory, keep: set, cap: int) -> list:
     return removed
 
 
+def _outside_vocab(ex: dict, vocab_size: int) -> str | None:
+    """A token id (input or label: the loss indexes the logits by its labels, which fails as badly) that the
+    model's embedding does not have; -100 (not trained) is no id."""
+    for key in ("input_ids", "labels", "rejected_ids", "rejected_labels"):
+        ids = [t for t in ex.get(key) or () if t != IGNORE]
+        if ids and max(ids) >= vocab_size:
+            field = "" if key == "input_ids" else f" in '{key}'"
+            return f"token id {max(ids)}{field} is outside the model's vocabulary ({vocab_size} ids)"
+    return None
+
+
 def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict, vocab_size: int | None = None) -> list[int]:
     """Indices of examples that train, after bad rows and the length policy (counted in `counts`). With
     `vocab_size`, a token id the model's embedding does not have makes the row bad (on a GPU it would
@@ -130,8 +151,8 @@ def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict, voca
     kept = []
     for i, ex in enumerate(examples):
         err = ex.pop("error")
-        if not err and vocab_size and ex["input_ids"] and max(ex["input_ids"]) >= vocab_size:
-            err = f"token id {max(ex['input_ids'])} is outside the model's vocabulary ({vocab_size} ids)"
+        if not err and vocab_size:
+            err = _outside_vocab(ex, vocab_size)
         if err:
             bad.add(ex["where"], err)
             continue

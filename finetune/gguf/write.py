@@ -17,6 +17,7 @@ from pathlib import Path
 
 from finetune.gguf import converter
 from finetune.util.errors import RecipeError
+from finetune.util.sibling import apply_umask, clean_stale, temp_file
 from finetune.util.log import log
 
 OUTTYPES = ("f16", "q8_0", "f32")
@@ -45,7 +46,12 @@ def _merged_dir(run_dir: Path, merged: str | None) -> Path:
 
 
 def _converter_failed(proc, what: str) -> RuntimeError:
-    tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
+    lines = (proc.stderr or proc.stdout or "").strip().splitlines()
+    failed_write = [ln for ln in lines if ln.startswith(("OSError", "PermissionError"))]
+    if failed_write:  # the disk filled up, a quota, a read-only folder: one line, not the converter's traceback
+        return RuntimeError(f"export: llama.cpp's {what} could not write the GGUF ({failed_write[-1]}); nothing was "
+                            "written to the output. Free space, or choose another --output")
+    tail = "\n".join(lines[-15:])
     return RuntimeError(f"export: llama.cpp's {what} failed (exit {proc.returncode}):\n{tail}")
 
 
@@ -83,6 +89,20 @@ def default_output(run_dir: Path, outtype: str, adapter_only: bool) -> Path:
     return run_dir / "gguf" / f"{'adapter' if adapter_only else 'model'}-{outtype}.gguf"
 
 
+def refuse_foreign_output(out: Path) -> None:
+    """--output replaces only a GGUF file (an earlier export): never a directory, and never another file,
+    such as the run's own RUN/adapter/adapter_model.safetensors or its recipe (exit 2)."""
+    if out.is_dir() or out.is_symlink():
+        raise RecipeError([f"--output: {out} is a {'directory' if out.is_dir() else 'symbolic link'}; name the GGUF "
+                           "file to write, e.g. --output model.gguf"], "export")
+    if out.exists():
+        with open(out, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise RecipeError([f"--output: {out} exists and is not a GGUF file that export wrote; name a new file "
+                               "(export never replaces other files)"], "export")
+
+
 def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, output: str | None = None,
                 merged: str | None = None, greedy_prompts: int = 200) -> dict:
     """Convert, check, then publish OUTPUT (and OUTPUT.json, the check report). RuntimeError when a check
@@ -96,9 +116,9 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
     if not (run_dir / "adapter" / "adapter_config.json").is_file() and not (merged and not adapter_only):
         raise RecipeError([f"{run_dir} is not a run dir (no adapter/adapter_config.json)"], "export")
     out = Path(output).expanduser().resolve() if output else default_output(run_dir, outtype, adapter_only)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    try:
+    refuse_foreign_output(out)
+    clean_stale(out, "export")  # the hidden full-size temporary of an export killed mid-write
+    with temp_file(out) as tmp:
         sources, config, converted = _convert(run_dir, outtype, adapter_only, merged, tmp)
         tensors = check_tensors(conv, tmp, sources, config, lora=adapter_only)
         report = {"format": "gguf", "outtype": outtype, "adapter_only": adapter_only, "source": str(converted),
@@ -111,9 +131,8 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
         if report["greedy"].get("status") == "failed":
             raise RuntimeError(f"export: llama.cpp's greedy outputs differ from transformers': "
                                f"{report['greedy']['summary']}; nothing was written to {out}")
+        apply_umask(tmp)  # mkstemp makes 0600
         os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     out.with_name(out.name + ".json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
     return {"output": str(out), **report}
 

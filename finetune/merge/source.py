@@ -15,6 +15,7 @@ from finetune.merge.plan import QuantSpec, TensorInfo, adapter_problems
 from finetune.util.builtin import BUILTIN_MODELS, builtin_dir
 from finetune.util.dtypes import torch_dtype
 from finetune.util.errors import RecipeError
+from finetune.util.untrusted import adapter_problem
 
 
 @dataclass
@@ -44,6 +45,9 @@ def resolve_source(path: str | os.PathLike) -> Source:
     except (OSError, ValueError) as e:
         raise RecipeError([f"cannot read adapter_config.json: {e}"], str(adapter_dir)) from None
     problems = adapter_problems(cfg)
+    damaged = adapter_problem(adapter_dir)  # empty or truncated: one line, not safetensors' traceback
+    if damaged:
+        raise RecipeError([damaged])
     if problems:
         raise RecipeError(problems, str(adapter_dir / "adapter_config.json"))
     recipe = None

@@ -16,8 +16,6 @@ replaced, permissions, leftovers and write errors are `finetune.merge.output`'s.
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
 from pathlib import Path
 
@@ -26,7 +24,8 @@ import torch
 from finetune.merge import experts
 from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, magnitude_keys, merged_tensor, pair_keys,
                                  plan_shards, scaling, shard_names)
-from finetune.merge.output import apply_umask, clean_stale, output_dir, temp_dir, up_to_date, write_error
+from finetune.merge.output import output_dir, up_to_date, write_error
+from finetune.util.sibling import apply_umask, carried_oserror, clean_stale, temp_dir
 from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
 from finetune.weights.portable import save_tokenizer
 from finetune.util.atomic import replace_dir
@@ -142,10 +141,10 @@ def _save_shard(save_file, tensors: dict, path: Path):
     try:
         save_file(tensors, str(path), metadata={"format": "pt"})
     except SafetensorError as e:
-        m = re.search(r"os error (\d+)", str(e))
-        if not m:
+        carried = carried_oserror(e, path)
+        if carried is None:
             raise
-        raise OSError(int(m.group(1)), os.strerror(int(m.group(1))), str(path)) from None
+        raise carried from None
 
 
 def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, max_bytes: int) -> dict:
@@ -260,7 +259,7 @@ def merge(source, output=None, target: str = "original", dtype: str = "bf16", ma
         log.info(f"merge: {out} is up to date (same adapter, base and settings); nothing to do")
         return out
     try:
-        clean_stale(out)
+        clean_stale(out, "merge")
         with temp_dir(out) as tmp:
             stats = _write_output(src, tmp, out, target, dtype, max_bytes, fp, check)
             apply_umask(tmp)

@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from finetune.recipe.rundir import foreign_recipe
+from finetune.recipe.rundir import foreign_recipe, planted_links
 from finetune.util.errors import Problem, reason
 from finetune.util.units import fmt, parse_size
 
@@ -139,6 +139,12 @@ def output_problems(recipe, arch=None, world: int = 1, disk_usage=shutil.disk_us
     if "\x00" in recipe.output.dir or not recipe.output.dir.strip():
         return [Problem(level="error", path="output.dir", message=f"not a usable path: {recipe.output.dir!r}",
                         fix="give a directory path")]
+    try:  # the adapter's and checkpoints' writers (safetensors, JSON) need the path as UTF-8 text
+        recipe.output.dir.encode("utf-8")
+    except UnicodeEncodeError:
+        return [Problem(level="error", path="output.dir", message=f"{recipe.output.dir!r} holds a byte that is not "
+                        "UTF-8; the adapter could not be saved at the end of the run", fix="rename it with UTF-8 "
+                        "characters only")]
     out_dir = Path(os.path.expanduser(recipe.output.dir))
     base, why = existing_ancestor(out_dir)
     if base is None:
@@ -148,6 +154,10 @@ def output_problems(recipe, arch=None, world: int = 1, disk_usage=shutil.disk_us
     if why:
         return [Problem(level="error", path="output.dir", message=f"cannot write to {base}: {why}",
                         fix="choose a writable output.dir (or fix its permissions / mount)")]
+    links = planted_links(out_dir)
+    if links:
+        return [Problem(level="error", path="output.dir", message=links[0],
+                        fix="remove the link, or choose another output.dir")]
     foreign = foreign_recipe(out_dir)
     if foreign:
         return [Problem(level="error", path="output.dir", message=foreign,

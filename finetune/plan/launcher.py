@@ -99,8 +99,11 @@ def accelerate_config(r: Recipe, gpus: int | None = None, machines: int | None =
     return cfg
 
 
+HEADER = "# Accelerate launcher config generated from "  # how accelerate-config knows its own files
+
+
 def render_config(r: Recipe, cfg: dict, source: str = "RECIPE") -> str:
-    head = [f"# Accelerate launcher config generated from {source}",
+    head = [f"{HEADER}{source}",
             f"#   by: python -m finetune accelerate-config {source} --gpus {cfg['num_processes']}"
             + (f" --machines {cfg['num_machines']}" if cfg["num_machines"] > 1 else ""),
             f"# launch: accelerate launch --config_file THIS_FILE -m finetune {source}"]

@@ -84,6 +84,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except (yaml.YAMLError, RecursionError):  # not YAML (or nested past the parser's limit): a plain string
         value = raw
+    if isinstance(value, str) and any(c in raw for c in "\r\n") and value != raw.strip():
+        # YAML folds a plain scalar's line breaks into spaces ("a\nb" -> "a b"): a multi-line value (a chat
+        # template, a system prompt) is kept as typed instead of changed silently.
+        value = raw
     return key.split("."), value
 
 

@@ -25,8 +25,9 @@ def load_run(run_dir: Path, merged: bool = False):
     `merged`, the merged model in RUN_DIR/merged (or RUN_DIR itself when it is a merged model's dir)."""
     from peft import PeftModel
 
+    from finetune.train.preflight import refuse_remote_code
+    from finetune.util.untrusted import adapter_problem
     from finetune.weights.expert_lora import adopt
-
     from finetune.weights.portable import quiet_peft_wrap
     from finetune.weights.model import load_model
     from finetune.weights.resolve import load_tokenizer
@@ -41,6 +42,10 @@ def load_run(run_dir: Path, merged: bool = False):
         # PEFT would fall back to adapter_model.bin: a pickle, which can run code when loaded.
         raise RecipeError([f"{adapter}: no adapter_model.safetensors (pickle adapters are refused); convert it, "
                            "or set model.allow_pickle: true in its recipe.yaml"])
+    refuse_remote_code(recipe)
+    why = adapter_problem(adapter)  # empty or truncated: one line, not safetensors' header traceback
+    if why:
+        raise RecipeError([why])
     tok = load_tokenizer(recipe.model, path=str(adapter))
     base = load_model(recipe.model, recipe.quantization, quiet=True)
     with quiet_peft_wrap():
@@ -60,6 +65,13 @@ def load_merged(path: Path):
         raise RecipeError([f"{path}: no merged model (neither {path}/merged/config.json nor {path}/config.json); "
                            f"run `finetune merge {path}` first"])
     recipe = read_recipe(path) if (path / "recipe.yaml").exists() else None
+    from finetune.util.untrusted import remote_code_problem, safetensors_problem
+
+    why = remote_code_problem(model_dir, recipe is not None and recipe.model.trust_remote_code)
+    bad = [f"{f}: {w}; re-run `finetune merge`" for f in sorted(model_dir.glob("*.safetensors"))
+           for w in [safetensors_problem(f)] if w]
+    if why or bad:
+        raise RecipeError([why] if why else bad)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", use_safetensors=True)
     model.eval()
@@ -118,6 +130,20 @@ def stop_ids(tok, template: str | None) -> list[int]:
     return ids
 
 
+def check_context(model, tok, prompts: list, template: str | None, max_new_tokens: int) -> None:
+    """Each prompt plus `max_new_tokens` must fit the model's context (max_position_embeddings): past it the
+    positions have no trained meaning, and a huge --max-new-tokens would run for hours (exit 2)."""
+    context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if not context:
+        return
+    longest = max(len(encode.prompt_ids(tok, p, template)) for p in prompts)
+    if longest + max_new_tokens > context:
+        which = "--prompt" if longest >= context else "--max-new-tokens"
+        raise RecipeError([f"{which}: the longest prompt has {longest} tokens and --max-new-tokens is {max_new_tokens}"
+                           f", more than the model's context of {context} tokens; shorten the prompt or give "
+                           f"--max-new-tokens at most {max(context - longest, 0)}"])
+
+
 @torch.no_grad()
 def generate(model, tok, prompts: list, template: str | None, max_new_tokens: int, sampling: dict | None = None,
              batch_size: int = 16) -> list[str]:
@@ -156,8 +182,11 @@ def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int, templ
 def heldout_loss(model, examples, recipe) -> float:
     from finetune.train.loss import loss_totals
 
+    from tqdm.auto import tqdm
+
     device = model_device(model)
     batches = batching.batches(examples, recipe.train.micro_batch_size, 0, False, recipe.data.max_seq_len)
+    batches = tqdm(batches, desc="held-out loss", leave=False, disable=len(batches) < 8)  # progress on large sets
     total, count = loss_totals(model, batches, device.type, recipe.train, recipe.eval.max_batches, device=device)
     return total / max(count, 1)
 
@@ -190,13 +219,25 @@ def _scores(model, tok, prepared, recipe, prefix: str = "") -> dict:
     return {prefix + k: v for k, v in res.items()}
 
 
-def run_eval(run_dir: Path) -> dict:
-    """The run's adapter against the base on the held-out rows; a run that started from an adapter
-    (lora.init_adapter, e.g. DPO after SFT) is also scored with that starting adapter (start_*)."""
+# `finetune eval`'s default cap on held-out rows: a 100,000-row held-out set would run for many minutes, twice
+# (adapter and base), with nothing to show for it but a slightly narrower error bar.
+MAX_EVAL_ROWS = 2000
+
+
+def run_eval(run_dir: Path, max_rows: int | None = MAX_EVAL_ROWS) -> dict:
+    """The run's adapter against the base on the held-out rows (the first `max_rows`; None or 0: all); a run
+    that started from an adapter (lora.init_adapter, e.g. DPO after SFT) is also scored with that starting
+    adapter (start_*)."""
+    from finetune.util.log import log
+
     recipe, tok, model = load_run(run_dir)
     prepared = prepare(recipe.data, tok, vocab_size(recipe.model.name))
     if not prepared.eval:
         raise RecipeError(["data: no held-out rows; set data.eval_sources or data.eval_split > 0"])
+    if max_rows and len(prepared.eval) > max_rows:
+        log.info(f"eval: scoring the first {max_rows} of {len(prepared.eval)} held-out rows (--max-rows N for "
+                 "more, --max-rows 0 for all)")
+        prepared.eval, prepared.eval_rows = prepared.eval[:max_rows], prepared.eval_rows[:max_rows]
     res = _scores(model, tok, prepared, recipe)
     with model.disable_adapter():
         res.update(_scores(model, tok, prepared, recipe, "base_"))

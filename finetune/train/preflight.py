@@ -133,6 +133,16 @@ def code_problems(r: Recipe) -> list[Problem]:
                     fix="read that code, then set model.trust_remote_code: true if you trust it")]
 
 
+def refuse_remote_code(r: Recipe) -> None:
+    """The same rule for the verbs that load the model or its tokenizer without the preflight (`generate`,
+    `eval`, `data`): exit 2 naming model.trust_remote_code, where transformers would raise a traceback."""
+    from finetune.util.errors import RecipeError
+
+    bad = [p.render() for p in code_problems(r) if p.level == "error"]
+    if bad:
+        raise RecipeError(bad)
+
+
 def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
     out: list[Problem] = []
     m, d = r.model, r.distributed

@@ -20,7 +20,9 @@ def fsync_dir(path: Path) -> None:
 def write_bytes(path: Path, data: bytes) -> None:
     """Plain Python I/O, so a failed write raises OSError with its errno (disk full, quota, ...): torch.save
     and safetensors' save_file, writing themselves, report it as an error whose only trace is the message."""
-    with open(path, "wb") as f:
+    # O_NOFOLLOW: a link planted at a name finetune writes is an error (ELOOP), never written through.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+    with open(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

@@ -88,6 +88,11 @@ def exit_code(main: Callable[[list[str]], int | None], argv: list[str]) -> int:
     except OutputWriteError as e:  # disk full or unwritable mid-run: the message says what was kept
         print(f"error: {e.strerror}", file=sys.stderr)
         return 1
+    except OSError as e:  # any verb: a missing, read-only or wrong-type path, a full disk: one line, not a traceback
+        where = f": {e.filename}" + (f" -> {e.filename2}" if e.filename2 else "") if e.filename else ""
+        print(f"error: {reason(e)}{where}; nothing was replaced (check the path, its permissions and free space)",
+              file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:  # Ctrl-C twice, or a stop signal before training started
         print(f"interrupted ({e})" if str(e) else "interrupted", file=sys.stderr)
         return 130

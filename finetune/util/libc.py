@@ -1,4 +1,4 @@
-"""glibc's memory calls, for the loaders and the merge that hand freed memory back to the OS."""
+"""glibc's calls: memory handed back to the OS (loaders, merge), and the parent-death signal (workers)."""
 from __future__ import annotations
 
 import functools
@@ -30,3 +30,21 @@ def trim_heap() -> None:
     lib = glibc()
     if lib is not None:
         lib.malloc_trim(0)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def parent_death_signal(signum: int) -> bool:
+    """Ask the kernel to send `signum` to this process when its parent exits (prctl PR_SET_PDEATHSIG), so a
+    worker whose launcher was SIGKILLed hears of it at once. False where it is not available (not Linux)."""
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        lib = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        return lib.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0
+    except (OSError, AttributeError, TypeError):
+        return False

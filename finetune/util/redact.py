@@ -20,13 +20,15 @@ MIN_LEN = 8
 
 def _looks_secret(value: str) -> bool:
     """Long enough and not a plain word or a path: a variable named *_KEY may hold `subprocess` or a
-    file path, and masking every `subprocess` in the logs would only hide information."""
-    if len(value) < MIN_LEN or any(c.isspace() for c in value):
+    file path, and masking every `subprocess` in the logs would only hide information. A value with spaces
+    (a pass phrase) is judged by its other characters: "plain words here" is not masked, "My pass 42" is."""
+    if len(value.strip()) < MIN_LEN:
         return False
     if value.startswith(("/", "~", "./")) or os.path.exists(value):
         return False
-    classes = sum((any(c.islower() for c in value), any(c.isupper() for c in value),
-                   any(c.isdigit() for c in value), any(not c.isalnum() for c in value)))
+    chars = [c for c in value if not c.isspace()]
+    classes = sum((any(c.islower() for c in chars), any(c.isupper() for c in chars),
+                   any(c.isdigit() for c in chars), any(not c.isalnum() for c in chars)))
     return classes >= 2
 
 

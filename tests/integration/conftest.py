@@ -52,3 +52,25 @@ def tiny_run(tmp_path_factory):
 def qlora_run(tmp_path_factory):
     """Adapter saved by plain peft from a model that was 4-bit during training (what FSDP runs write)."""
     return make_run_dir(tmp_path_factory.mktemp("merge-qrun"), quantize=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A finished run dir of the tiny recipe as `finetune` writes it: 3 steps, a checkpoint after each."""
+    from tests.conftest import run_cli
+
+    run = tmp_path_factory.mktemp("trained") / "run"
+    p = run_cli(["recipes/tiny_cpu.yaml", "train.max_steps=3", "train.warmup_steps=0", "train.save_every=1",
+                 "train.keep_checkpoints=3", f"output.dir={run}"])
+    assert p.returncode == 0, p.stderr
+    return run
+
+
+@pytest.fixture
+def run(trained_run, tmp_path):
+    """A copy of `trained_run` that a test may damage."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(trained_run, copy)
+    return copy

@@ -33,8 +33,17 @@ DYING_RANK_BOUND = 45  # s: torchrun's monitor (0.1 s) + its 30 s grace before S
 STOP_BOUND = 60
 
 
-def launch(run, log):
-    return spawn_cli(ARGS + [f"output.dir={run}"], log, env={"OMP_NUM_THREADS": "1"}, launcher=LAUNCHER)
+def launch(run, log, extra=()):
+    return spawn_cli(ARGS + [f"output.dir={run}", *extra], log, env={"OMP_NUM_THREADS": "1"}, launcher=LAUNCHER)
+
+
+def training(run, log):
+    """(launcher, {rank: worker}) of a 2-process run that has logged its first step."""
+    proc = launch(run, log)
+    wait_for_first_metrics(run, lambda: proc.poll() is None, timeout=600)
+    ranks = rank_processes(proc.pid)
+    assert sorted(ranks) == [0, 1]
+    return proc, ranks
 
 
 def newest_step(run) -> int:
@@ -48,10 +57,7 @@ def test_preemption_resume_and_a_dying_rank(tmp_path):
     run = tmp_path / "run"
 
     # 1. SIGTERM to every rank.
-    proc = launch(run, tmp_path / "a.log")
-    wait_for_first_metrics(run, lambda: proc.poll() is None, timeout=600)
-    ranks = rank_processes(proc.pid)
-    assert sorted(ranks) == [0, 1]
+    proc, ranks = training(run, tmp_path / "a.log")
     t0 = time.monotonic()
     for r in ranks.values():
         r.send_signal(signal.SIGTERM)

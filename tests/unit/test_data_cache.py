@@ -41,3 +41,19 @@ def test_the_cache_counts_in_the_disk_preflight(tmp_path, monkeypatch):
     assert D.output_problems(r, arch, 1, disk_usage=lambda p: Usage(10 * need, 0, need + cache + 1)) == []
     monkeypatch.setenv(D.CACHE_MAX_ENV, "1MiB")  # a cap bounds the plan too
     assert D.cache_bytes(r) == 1 << 20
+
+
+def test_an_unwritable_cache_costs_the_cache_not_the_run(tmp_path, monkeypatch, tok, capsys):
+    import json
+
+    from finetune.data.prepare import prepare
+    from finetune.recipe import DataSource, DataSpec
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("FINETUNE_CACHE", str(blocker / "cache"))  # cannot be created: not a directory
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"say {i}:", "completion": f" {i}"}) + "\n" for i in range(20)))
+    prepared = prepare(DataSpec(sources=[DataSource(path=str(rows))], eval_split=0), tok)
+    assert len(prepared.train) == 20
+    assert "data cache: cannot write to" in capsys.readouterr().err

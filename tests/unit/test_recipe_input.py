@@ -89,3 +89,12 @@ def test_uncached_hub_model_without_network_is_one_error(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "model.name: cannot load the tokenizer of 'nobody/not-cached-model'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_an_override_keeps_its_line_breaks():
+    """YAML folds a plain scalar's newline into a space; a multi-line override value is kept as typed."""
+    from finetune.recipe.read import parse_override
+
+    assert parse_override("data.chat_template={{ a }}\n{{ b }}")[1] == "{{ a }}\n{{ b }}"
+    assert parse_override("output.dir=runs/a\nb")[1] == "runs/a\nb"
+    assert parse_override("train.max_steps=5")[1] == 5 and parse_override("x=[1,\n 2]")[1] == [1, 2]

@@ -87,3 +87,14 @@ def test_data_command_refuses_ids_beyond_the_model_vocabulary():
     p = run_cli(["data", "recipes/tiny_cpu.yaml", "--dataset", "synthetic:tokens?rows=10&vocab=1000"])
     assert p.returncode == 2, p.stderr[-2000:]
     assert "outside the model's vocabulary (384 ids)" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_labels_outside_the_vocabulary_are_bad_rows_like_input_ids(tmp_path, tok):
+    f = tmp_path / "ids.jsonl"
+    rows = [{"input_ids": [1, 5, 9, 12], "labels": [-100, -100, 9, 12]},
+            {"input_ids": [1, 5, 9, 12], "labels": [-100, -100, 9, 900]}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(RecipeError, match=f"{f}:2: token id 900 in 'labels' is outside the model's vocabulary"):
+        prepare(spec(str(f), eval_split=0), tok, vocab_size=500)
+    kept = prepare(spec(str(f), eval_split=0, on_bad_row="skip"), tok, vocab_size=500)
+    assert [ex["labels"] for ex in kept.train] == [[-100, -100, 9, 12]]

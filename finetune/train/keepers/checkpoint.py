@@ -24,6 +24,7 @@ from finetune.recipe import fingerprint as fp
 from finetune.util import atomic
 from finetune.util.digest import file_sha256
 from finetune.util.errors import RecipeError, explain
+from finetune.util.untrusted import safetensors_problem, weights_only_problem
 from finetune.util.log import log
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -137,26 +138,59 @@ def _file_entry(p: Path) -> dict:
 
 
 def problems(path: Path, hashes: bool = True) -> str | None:
-    """Why `path` is not a complete checkpoint, or None: the manifest must parse and every file it lists
-    must be there with the size and (when `hashes`) the SHA-256 it had when written. Manifests of older
-    versions list sizes only ({name: bytes})."""
+    """Why `path` is not a complete checkpoint, or None: the manifest must parse, hold values of the right
+    types (its step the directory's), and every file it lists must be there with the size and (when
+    `hashes`) the SHA-256 it had when written; with `hashes`, every torch file must also load with the
+    weights-only unpickler and the adapter's safetensors header must fit the file (the hashes cover the
+    files, not the manifest: one edited with the files proves nothing). Manifests of older versions list
+    sizes only ({name: bytes})."""
     try:
         state = json.loads((path / MANIFEST).read_text())
         files = state["files"]
-        state["step"], state["world_size"], state["data"]["cursor"]
         if not isinstance(files, dict):  # {relative path: {"bytes": n, "sha256": hex}}
             raise TypeError("files")
         files = {k: v if isinstance(v, dict) else {"bytes": v} for k, v in files.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return f"unreadable manifest ({type(e).__name__})"
+    bad = manifest_problem(state, files, path.name)
+    if bad:
+        return f"hand-edited manifest ({bad})"
     for name, want in files.items():
         p = path / name
-        if not p.is_file():
+        if ".." in Path(name).parts or Path(name).is_absolute() or p.is_symlink() or not p.is_file():
             return f"missing {name}"
         if p.stat().st_size != want.get("bytes"):
             return f"{name} has {p.stat().st_size} bytes, the manifest says {want.get('bytes')}"
         if hashes and "sha256" in want and file_sha256(p) != want["sha256"]:
             return f"{name} does not have the content it was written with (SHA-256 differs)"
+        why = (weights_only_problem(p) if name.endswith(".pt") else
+               safetensors_problem(p) if name.endswith(".safetensors") else None) if hashes else None
+        if why:
+            return f"{name}: {why}"
+    return None
+
+
+def _count(v, least: int = 0) -> bool:
+    return type(v) is int and least <= v < 2 ** 53
+
+
+def manifest_problem(state: dict, files: dict, dirname: str) -> str | None:
+    """The manifest's fields that a resume trusts, checked by type and range: a step that is not the
+    directory's (`step: 1e30` would end the run at once as done), a process count, a data position."""
+    m = STEP_DIR.match(dirname)
+    data = state.get("data")
+    if not _count(state.get("step")) or (m and state["step"] != int(m.group(1))):
+        return f"step {state.get('step')!r} is not this directory's step"
+    if not _count(state.get("world_size"), 1):
+        return f"world_size {state.get('world_size')!r} is not a process count"
+    if not isinstance(data, dict) or not _count(data.get("cursor")) or not _count(data.get("epoch", 0)):
+        return f"data {data!r} is not a data position"
+    for name, want in files.items():
+        if not isinstance(name, str) or not _count(want.get("bytes")) or not isinstance(want.get("sha256", ""), str):
+            return f"files entry {name!r} is not {{bytes, sha256}}"
+    keys = state.get("fingerprint", {})
+    if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
+        return "fingerprint is not a mapping of recipe keys to values"
     return None
 
 

@@ -20,7 +20,7 @@ import socket
 import time
 from pathlib import Path
 
-from finetune.util.errors import RunError
+from finetune.util.errors import RecipeError, RunError
 from finetune.util.log import log
 
 LOCK_NAME = ".lock"
@@ -43,7 +43,11 @@ def hold(run_dir: Path, rank: int | None = None):
         yield
         return
     run_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link planted at .lock: the pid would be written into the file it points to
+        fd = os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        raise RecipeError([f"output.dir: cannot open {run_dir / LOCK_NAME} ({e.strerror}); remove it if it is a "
+                           "link, or choose another output.dir"]) from None
     try:
         _lock(fd, run_dir)
         yield
