@@ -10,7 +10,7 @@ from finetune.data.chat import IGNORE, chat_examples
 from finetune.data.formats import REASONING_KEYS, SHAREGPT_ROLES, detect_format
 from finetune.recipe import DataSpec
 
-ENCODER_VERSION = 5  # part of the cache key: bump when encode() changes what it produces
+ENCODER_VERSION = 6  # part of the cache key: bump when encode() changes what it produces
 # Text is cut to max_seq_len x this many characters before it is tokenized (bounded time and memory per row,
 # whatever the row's size). Tokens average about 4 characters; a piece cut here still makes far more tokens
 # than max_seq_len, so the first max_seq_len tokens, and whether the row is too long, stay exactly the same.

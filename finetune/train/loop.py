@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from finetune.data import batching
+from finetune.data.explain import data_notes
 from finetune.data.prepare import check_method
 from finetune.data.prepare import prepare as prepare_data
 from finetune.plan.archs import vocab_size
@@ -125,6 +126,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         stats = run.prepared.stats
         log.info(f"model: {trainable_report(run.model)}; data: {stats['rows']} rows, "
                  f"{stats['trained_tokens']} trained tokens; {run.total_steps} steps")
+        infos, warns = data_notes(recipe.data, stats)  # where eval rows come from; what the length policy dropped
+        log.info("\n".join(infos)), [log.warning(w) for w in warns]
     return steps(run, stop, return_model)
 
 
