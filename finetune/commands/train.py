@@ -15,12 +15,14 @@ def register(sub) -> None:
 
 
 def run(a) -> int:
+    import time
     from pathlib import Path
 
     from finetune.train.preflight import preflight
     from finetune.util.errors import RecipeError, RunError
     from finetune.util.log import log
 
+    t0 = time.perf_counter()
     recipe = load_recipe(a)
     # Every check that needs no weights runs before any process loads them.
     problems = preflight(recipe)
@@ -32,8 +34,11 @@ def run(a) -> int:
         raise RunError([p.render() for p in errors], a.recipe)
     if errors:
         raise RecipeError([p.render() for p in errors], a.recipe)
+    from finetune.train.keepers.summary import summary
     from finetune.train.loop import train
+    from finetune.util.log import is_main
 
     result = train(recipe, Path(recipe.output.dir))
-    log.info(f"done: {result}; run dir {recipe.output.dir}")
+    if is_main():  # the run dir's files are the main process's to read
+        log.info("\n".join(summary(Path(recipe.output.dir), result, time.perf_counter() - t0)))
     return 0

@@ -39,7 +39,7 @@ from finetune.train.refpolicy import attach_reference
 from finetune.train.keepers.memory import PhaseMemory
 from finetune.train.keepers.memory import table as memory_table
 from finetune.train.keepers.memory import tracker_values
-from finetune.train.optim import build_optimizer, build_scheduler
+from finetune.train.optim import build_optimizer, build_scheduler, schedule_note
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.train.stop import StopSignal
@@ -263,6 +263,8 @@ def restore(run: Run, resume_from: Path | None) -> None:
     run.step, run.epoch, run.cursor = state["step"], state["data"]["epoch"], state["data"]["cursor"]
     run.resumed_from = resume_from
     log.info(f"resume: from {resume_from} (step {run.step})")
+    if note := schedule_note(run.scheduler, run.step, run.total_steps):  # a longer run stretches the decay
+        log.warning(f"resume: {note}")
 
 
 def held_out_batches(run: Run) -> list:
