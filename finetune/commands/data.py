@@ -19,7 +19,7 @@ OPEN, CLOSE = "\u27e6", "\u27e7"  # ⟦trained⟧ when the output is not a termi
 GREEN, RESET = "\033[1;32m", "\033[0m"
 
 
-def _tokenizer(model_spec):
+def tokenizer_for(model_spec):
     """The recipe's tokenizer. For the builtin model only its tokenizer files are needed, so the shipped
     ones are read directly (never building or loading weights just to look at data)."""
     from finetune.weights.resolve import load_tokenizer
@@ -142,7 +142,7 @@ def run(args) -> int:
     if args.dataset:
         recipe.data.sources = [DataSource(path=args.dataset)]
         recipe.data.eval_sources = []
-    tok = _tokenizer(recipe.model)
+    tok = tokenizer_for(recipe.model)
     prepared = prepare(recipe.data, tok, vocab_size(recipe.model.name))
     stats = dict(prepared.stats)
     stats.update(batch_stats(prepared.train, recipe.train.micro_batch_size, recipe.data.max_seq_len))
