@@ -9,6 +9,8 @@ def register(sub) -> None:
                        description="Held-out loss and exact match of a run.")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--show", type=int, default=0, metavar="N",
+                   help="print N of the predictions (RUN_DIR/predictions.jsonl: prompt, expected, adapter, base)")
     p.set_defaults(run=run)
 
 
@@ -16,10 +18,20 @@ def run(args) -> int:
     import json
 
     from finetune.train.inference import run_eval
+    from finetune.util.errors import RecipeError
 
+    if args.show < 0:
+        raise RecipeError([f"--show must be >= 0, got {args.show}"])
     res = run_eval(args.run_dir)
     for k, v in res.items():
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+    if args.show and res.get("predictions"):
+        rows = [json.loads(line) for line in Path(res["predictions"]).read_text().splitlines()]
+        for i, r in enumerate(rows[: args.show]):
+            print(f"--- prediction {i + 1} of {len(rows)}")
+            prompt = r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"], ensure_ascii=False)
+            print(f"prompt:   {prompt!r}\nexpected: {r['expected']!r}\nadapter:  {r['adapter']!r}"
+                  f"{' (match)' if r['match'] else ''}\nbase:     {r['base']!r}{' (match)' if r['base_match'] else ''}")
     if args.json:
         print(json.dumps(res))
     return 0

@@ -8,6 +8,7 @@ of the completion of prompt/completion and instruction rows and of the last assi
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -142,11 +143,15 @@ def greedy(model, tok, prompts: list, max_new_tokens: int, template: str | None 
     return generate(model, tok, prompts, template, max_new_tokens)
 
 
-def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int, template: str | None) -> float | None:
+def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int, template: str | None,
+                record: list | None = None) -> float | None:
+    """The share of held-out prompts answered exactly; `record` receives (prompt, expected, output) of each."""
     pairs = [p for p in (_prompt(r) for r in rows) if p][:n]
     if not pairs:
         return None
     outs = generate(model, tok, [p for p, _ in pairs], template, max_new_tokens)
+    if record is not None:
+        record.extend((p, c, o) for (p, c), o in zip(pairs, outs))
     return sum(o.strip() == c.strip() for o, (_, c) in zip(outs, pairs)) / len(pairs)
 
 
@@ -174,17 +179,29 @@ def preference_metrics(model, examples, recipe) -> dict:
             "preference_margin": totals.get("logp_margin", 0.0) / pairs}
 
 
-def _scores(model, tok, prepared, recipe, prefix: str = "") -> dict:
+def _scores(model, tok, prepared, recipe, prefix: str = "", record: list | None = None) -> dict:
     """Held-out loss (of the chosen answers, for pairs), exact match and, for pairs, preference_metrics."""
     n, mnt = recipe.eval.exact_match_samples, recipe.eval.max_new_tokens
     template = encode.chat_template(recipe.data, tok)
     pairs = [e for e in prepared.eval if "rejected_ids" in e]
     chosen = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in prepared.eval]
     res = {"eval_loss": heldout_loss(model, chosen, recipe),
-           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt, template)}
+           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt, template, record)}
     if pairs:
         res.update(preference_metrics(model, pairs, recipe))
     return {prefix + k: v for k, v in res.items()}
+
+
+def write_predictions(run_dir: Path, adapter: list, base: list) -> Path:
+    """RUN_DIR/predictions.jsonl: each exact-match prompt, its expected answer, the adapter's and the base's."""
+    from finetune.util.atomic import write_text
+
+    lines = [json.dumps({"prompt": p, "expected": c, "adapter": o, "base": b, "match": o.strip() == c.strip(),
+                         "base_match": b.strip() == c.strip()}, ensure_ascii=False)
+             for (p, c, o), (_, _, b) in zip(adapter, base)]
+    path = run_dir / "predictions.jsonl"
+    write_text(path, "".join(line + "\n" for line in lines))
+    return path
 
 
 def run_eval(run_dir: Path) -> dict:
@@ -194,9 +211,12 @@ def run_eval(run_dir: Path) -> dict:
     prepared = prepare(recipe.data, tok, vocab_size(recipe.model.name))
     if not prepared.eval:
         raise RecipeError(["data: no held-out rows; set data.eval_sources or data.eval_split > 0"])
-    res = _scores(model, tok, prepared, recipe)
+    adapter, base = [], []
+    res = _scores(model, tok, prepared, recipe, record=adapter)
     with model.disable_adapter():
-        res.update(_scores(model, tok, prepared, recipe, "base_"))
+        res.update(_scores(model, tok, prepared, recipe, "base_", record=base))
+    if adapter:
+        res["predictions"] = str(write_predictions(Path(run_dir), adapter, base))
     start = recipe.lora.init_adapter
     if start and (Path(start) / "adapter_model.safetensors").exists():
         model.load_adapter(start, adapter_name="start")

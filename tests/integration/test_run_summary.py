@@ -40,3 +40,32 @@ def test_a_run_ends_in_a_summary_and_its_resume_keeps_time_and_names_the_schedul
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     after = [r["time"] for r in records if r["step"] > 10]
     assert after and min(after) > t10, (t10, after)  # the clock goes on from the checkpoint's time
+
+
+def test_eval_writes_and_shows_predictions_and_generate_takes_instruction_rows_and_conversations(tmp_path):
+    run = tmp_path / "run"
+    assert run_cli([*ARGS, "train.max_steps=4", "eval.exact_match_samples=4", f"output.dir={run}"]).returncode == 0
+    shown = run_cli(["eval", str(run), "--show", "2"])
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    assert rows and set(rows[0]) == {"prompt", "expected", "adapter", "base", "match", "base_match"}
+    assert f"predictions: {run / 'predictions.jsonl'}" in shown.stdout
+    assert shown.stdout.count("--- prediction ") == 2 and f"expected: {rows[0]['expected']!r}" in shown.stdout
+
+    # an instruction row's fields render as training renders them: the same tokens as the layout typed out
+    by_fields = run_cli(["generate", str(run), "--instruction", "Reverse the words.", "--input", "cloud rocket river",
+                         "--max-new-tokens", "6"])
+    typed = run_cli(["generate", str(run), "--prompt", "Reverse the words.\\ncloud rocket river\\n",
+                     "--max-new-tokens", "6"])
+    assert by_fields.returncode == 0 and typed.returncode == 0, by_fields.stderr[-2000:]
+    assert by_fields.stdout == typed.stdout and '"prompt": "Reverse the words.\\ncloud rocket river\\n"' in typed.stdout
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps({"messages": [{"role": "user", "content": "reverse: a b"},
+                                             {"role": "assistant", "content": "b a"},
+                                             {"role": "user", "content": "reverse: c d"}]}))
+    multi = run_cli(["generate", str(run), "--messages", str(conv), "--max-new-tokens", "4"])
+    assert multi.returncode == 0, multi.stderr[-2000:]
+    out = json.loads(multi.stdout.strip().splitlines()[-1])
+    assert out["prompt"][-1] == {"role": "user", "content": "reverse: c d"} and isinstance(out["output"], str)
+    bad = run_cli(["generate", str(run), "--input", "x"])
+    assert bad.returncode == 2 and "--input: give --instruction with it" in bad.stderr
