@@ -47,9 +47,8 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def instruction_prompts(args) -> list[str]:
-    """--instruction/--input as the prompt text training gives an instruction row (encode.instruction_prompt)."""
-    from finetune.data.encode import instruction_prompt
+def instruction_rows(args) -> list[dict]:
+    """--instruction/--input as an instruction row; training's layout is applied once the recipe is read."""
     from finetune.util.errors import RecipeError
 
     if args.input is not None and args.instruction is None:
@@ -58,8 +57,7 @@ def instruction_prompts(args) -> list[str]:
         if not args.prompt and not args.messages:
             raise RecipeError(["give a prompt: --prompt TEXT, --instruction TEXT [--input TEXT] or --messages FILE"])
         return []
-    return [instruction_prompt({"instruction": decode_escapes(args.instruction),
-                                "input": decode_escapes(args.input or "")})]
+    return [{"instruction": decode_escapes(args.instruction), "input": decode_escapes(args.input or "")}]
 
 
 def read_messages(path: Path):
@@ -84,19 +82,21 @@ def run(args) -> int:
     import contextlib
     import json
 
-    from finetune.data.encode import chat_template
+    from finetune.data.encode import chat_template, instruction_prompt, instruction_user
     from finetune.train.inference import generate, load_run, trains_chat
     from finetune.util.errors import RecipeError
 
     if args.temperature < 0 or (args.top_p is not None and not 0 < args.top_p <= 1):
         raise RecipeError(["--temperature must be >= 0 and --top-p in (0, 1]"])
-    texts = [decode_escapes(p) for p in args.prompt] + instruction_prompts(args)  # bad arguments before loading
+    texts, rows = [decode_escapes(p) for p in args.prompt], instruction_rows(args)  # bad arguments before loading
     conversation = read_messages(args.messages) if args.messages else None
     recipe, tok, model = load_run(args.run_dir, merged=args.merged)
     chat = args.chat if args.chat is not None else (recipe is not None and trains_chat(recipe))
     template = (chat_template(recipe.data, tok) if recipe is not None else tok.chat_template) if chat else None
     if chat and not template:
         raise RecipeError(["--chat: the tokenizer has no chat template and the recipe sets no data.chat_template"])
+    # an instruction row is laid out as training laid it out: a user turn (data.prompt_template: chat) or raw text
+    texts += [instruction_user(r) if chat else instruction_prompt(r) for r in rows]
     mnt = args.max_new_tokens or (recipe.eval.max_new_tokens if recipe is not None else 64)
     system = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [system + [{"role": "user", "content": t}] for t in texts] if chat else list(texts)

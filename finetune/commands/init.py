@@ -44,7 +44,7 @@ def model_facts(name: str, tok):
 
 def data_facts(path: str, tok, model) -> object:
     """Rows, format and fields of the file, and every example's length as training tokenizes it."""
-    from finetune.data.formats import BadRows
+    from finetune.data.formats import BadRows, detect_format
     from finetune.data.prepare import prepare
     from finetune.data.sources import iter_rows
     from finetune.plan.archs import vocab_size
@@ -54,9 +54,11 @@ def data_facts(path: str, tok, model) -> object:
     first = next(iter_rows(DataSource(path=path), BadRows("skip")), None)
     if first is None:
         raise RecipeError([f"--data: {path}: no rows"])
+    plain = detect_format(first) in ("instruction", "prompt_completion") and isinstance(first.get("prompt", ""), str)
     spec = DataSpec(sources=[DataSource(path=path)], eval_split=0, on_bad_row="skip",
                     max_seq_len=min(model.max_positions or MEASURE_CAP, MEASURE_CAP),
-                    chat_template=None if model.chat_template else "chatml")
+                    chat_template=None if model.chat_template else "chatml",
+                    prompt_template="chat" if plain and model.chat_template else "raw")  # measured as written
     stats = prepare(spec, tok, vocab_size(model.name)).stats
     src = stats["sources"][0]
     chat = src["format"] in ("messages", "sharegpt") or isinstance(first.get("prompt"), list)

@@ -33,6 +33,20 @@ def instruction_prompt(row: dict) -> str:
     return row["instruction"] + ("\n" + row["input"] if row.get("input") else "") + "\n"
 
 
+def instruction_user(row: dict) -> str:
+    """An instruction row's user turn under `data.prompt_template: chat`: the instruction, then its input."""
+    return row["instruction"] + ("\n\n" + row["input"] if row.get("input") else "")
+
+
+def plain_chat(row: dict, fmt: str) -> list[dict]:
+    """An instruction or prompt/completion row as the two-turn chat `prompt_template: chat` trains."""
+    if fmt == "instruction":
+        prompt, answer = instruction_user(row), _str(row, "output")
+    else:
+        prompt, answer = _str(row, "prompt"), _str(row, "completion")
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+
+
 def _ids(tok, text: str, special: bool, max_len: int | None = None) -> list[int]:
     """Token ids of `text`; with `max_len`, of a prefix long enough for max_len tokens (see CHARS_PER_TOKEN_CAP)."""
     cut = cut_text(text, max_len)
@@ -175,6 +189,10 @@ def encode(row: dict, fmt: str, tok, spec: DataSpec) -> dict:
         if len(examples) > 1:
             raise ValueError(f"this chat trains as {len(examples)} examples (its template rewrites history)")
         return examples[0]
+    if fmt in ("prompt_completion", "instruction") and spec.prompt_template == "chat":
+        _str(row, "instruction" if fmt == "instruction" else "prompt")
+        return chat_examples(tok, _cut_turns(plain_chat(row, fmt), n), chat_template(spec, tok), None,
+                             spec.train_on_inputs)[0]  # two turns: one example
     if fmt == "prompt_completion":
         return _prompt_completion(tok, _str(row, "prompt"), _str(row, "completion"), spec.train_on_inputs, n)
     if fmt == "instruction":

@@ -74,7 +74,7 @@ def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str)
     texts = [json.dumps(r, ensure_ascii=False, sort_keys=True, default=str) for _, r in pairs]
     fmts = [f for f, _ in pairs]
     key = Hasher.hash([ENCODER_VERSION, texts, fmts, _tokenizer_fingerprint(tok), spec.train_on_inputs,
-                       chat_template(spec, tok), spec.max_seq_len])
+                       chat_template(spec, tok), spec.max_seq_len, spec.prompt_template])
     cache = data_cache_dir() / f"{what}-{key}.arrow"
     cache.parent.mkdir(parents=True, exist_ok=True)
     if cache.exists():
@@ -206,6 +206,9 @@ def _check_templates(pairs, spec: DataSpec, tok):
     chat = any(f in ("messages", "sharegpt") or (f in ("prompt_completion", "preference", "auto")
                                                  and isinstance(r.get("prompt", r.get("chosen")), list))
                for f, r in pairs)
+    if spec.prompt_template == "chat" and not chat_template(spec, tok):
+        raise RecipeError(["data.prompt_template: chat renders rows with a chat template and the tokenizer has none; "
+                           "set data.chat_template (a Jinja template or `chatml`) or data.prompt_template: raw"])
     if chat and not chat_template(spec, tok):
         raise RecipeError(["data.chat_template: the data has chat rows but the tokenizer has no chat template; "
                            "set data.chat_template to a Jinja template or `chatml`"])

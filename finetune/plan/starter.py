@@ -12,6 +12,7 @@ from finetune.recipe import from_dict
 
 TARGET_BATCH = 16  # sequences per optimizer step: a common starting point for LoRA fine-tuning
 MICRO_BATCHES = (16, 8, 4, 2, 1)
+PLAIN = ("instruction", "prompt_completion")  # rows that train through the chat template with prompt_template: chat
 
 
 @dataclass
@@ -70,6 +71,7 @@ def base_recipe(data: DataFacts, model: ModelFacts, device: str, gpus: int) -> d
             "quantization": {"mode": "nf4"},
             "lora": {"r": 16, "alpha": 32, "dropout": 0.05 if gpu else 0.0},
             "data": {"sources": [{"path": data.path, "format": data.format}], "max_seq_len": 64,
+                     **({"prompt_template": "chat"} if data.format in PLAIN and model.chat_template else {}),
                      **({} if model.chat_template or not data.chat else {"chat_template": "chatml"})},
             "train": {"micro_batch_size": 1, "learning_rate": 2.0e-4 if gpu else 2.0e-3},
             "distributed": {"strategy": "fsdp" if gpus > 1 else "single", "num_processes": gpus}}
@@ -139,6 +141,9 @@ def recipe_text(data: DataFacts, model: ModelFacts, z: Sizing, out_dir: str) -> 
               f"      format: {data.format}   # detected from the fields",
               f"  eval_split: {z.eval_split}   # {held}",
               f"  max_seq_len: {z.max_seq_len}   # 99% of the examples fit whole; longer ones are truncated"]
+    if data.format in PLAIN and model.chat_template:
+        lines.append("  prompt_template: chat   # the prompt as the user turn, through the model's chat template, as a "
+                     "chat server sends it (raw: the plain text layout)")
     if data.chat and not model.chat_template:
         lines.append("  chat_template: chatml   # the tokenizer has none; ChatML renders the chats")
     lines += ["train:",

@@ -71,6 +71,8 @@ def trains_chat(recipe) -> bool:
     from finetune.data.sources import iter_rows
     from finetune.util.log import log
 
+    if recipe.data.prompt_template == "chat":  # every text prompt trained as a user turn
+        return True
     for src in recipe.data.sources:
         if src.format in ("messages", "sharegpt"):
             return True
@@ -86,9 +88,10 @@ def trains_chat(recipe) -> bool:
     return False
 
 
-def _prompt(row: dict):
+def _prompt(row: dict, chat_layout: bool = False):
     """(prompt, expected answer) of a held-out row: a text prompt, or the messages before a chat's last
-    assistant turn; None for rows without one (text)."""
+    assistant turn; None for rows without one (text). With `chat_layout` (data.prompt_template: chat)
+    instruction and prompt/completion rows are prompted as the user turn they trained as."""
     if "chosen" in row and "rejected" in row:  # a preference pair: its chosen answer is the expected one
         prompt, chosen, _ = encode.pair_prompt(row)
         return prompt, chosen if isinstance(chosen, str) else chosen[-1]["content"]
@@ -96,8 +99,10 @@ def _prompt(row: dict):
     if chat:
         return chat
     if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        return row["prompt"], row["completion"]
+        return ([{"role": "user", "content": row["prompt"]}] if chat_layout else row["prompt"]), row["completion"]
     if isinstance(row.get("instruction"), str) and isinstance(row.get("output"), str):
+        if chat_layout:
+            return [{"role": "user", "content": encode.instruction_user(row)}], row["output"]
         return encode.instruction_prompt(row), row["output"]
     return None
 
@@ -144,9 +149,9 @@ def greedy(model, tok, prompts: list, max_new_tokens: int, template: str | None 
 
 
 def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int, template: str | None,
-                record: list | None = None) -> float | None:
+                record: list | None = None, chat_layout: bool = False) -> float | None:
     """The share of held-out prompts answered exactly; `record` receives (prompt, expected, output) of each."""
-    pairs = [p for p in (_prompt(r) for r in rows) if p][:n]
+    pairs = [p for p in (_prompt(r, chat_layout) for r in rows) if p][:n]
     if not pairs:
         return None
     outs = generate(model, tok, [p for p, _ in pairs], template, max_new_tokens)
@@ -186,7 +191,8 @@ def _scores(model, tok, prepared, recipe, prefix: str = "", record: list | None 
     pairs = [e for e in prepared.eval if "rejected_ids" in e]
     chosen = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in prepared.eval]
     res = {"eval_loss": heldout_loss(model, chosen, recipe),
-           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt, template, record)}
+           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt, template, record,
+                                      recipe.data.prompt_template == "chat")}
     if pairs:
         res.update(preference_metrics(model, pairs, recipe))
     return {prefix + k: v for k, v in res.items()}

@@ -33,6 +33,7 @@ def test_init_writes_a_recipe_that_validates_and_holds_out_the_users_rows(tmp_pa
     assert r.data.sources[0].path == str(data) and r.data.sources[0].format == "instruction"
     assert not r.data.eval_sources and r.data.eval_split == 0.05  # 10 of the user's own rows
     assert r.data.max_seq_len % 64 == 0 and r.train.micro_batch_size == 16
+    assert r.data.prompt_template == "chat"  # the tiny model has a chat template: rows train as a chat
     text = recipe.read_text()
     assert "# memory:      " in text and f"# launch:      python -m finetune {recipe}" in text
     assert "  eval_split: 0.05   # 0.05 of your rows (10) are held out, never trained" in text

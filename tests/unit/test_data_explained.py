@@ -104,3 +104,25 @@ def test_the_override_syntax_the_errors_print_is_accepted():
         load(ROOT / "recipes/tiny_cpu.yaml", ["data.sources[2].format=text"])
     with pytest.raises(RecipeError, match=r"data.sources is a list: name an entry, e.g. data.sources\[0\]"):
         load(ROOT / "recipes/tiny_cpu.yaml", ["data.sources.format=text"])
+
+
+def test_prompt_template_chat_trains_instruction_rows_as_the_chat_a_server_sends(tok):
+    from finetune.data.encode import chat_template, encode, prompt_ids
+    from finetune.train.inference import _prompt
+
+    row = {"instruction": "Reverse the words.", "input": "cloud rocket river", "output": "river rocket cloud"}
+    spec = DataSpec(prompt_template="chat")
+    template = chat_template(spec, tok)
+    ex = encode(row, "instruction", tok, spec)
+    user = [{"role": "user", "content": "Reverse the words.\n\ncloud rocket river"}]
+    whole = tok.apply_chat_template(user + [{"role": "assistant", "content": "river rocket cloud"}],
+                                    chat_template=template, tokenize=False)
+    assert ex["input_ids"] == tok(whole, add_special_tokens=False)["input_ids"]
+    prompt = prompt_ids(tok, user, template)  # what generate and eval send
+    assert ex["input_ids"][: len(prompt)] == prompt
+    assert all(t == -100 for t in ex["labels"][: len(prompt)]) and ex["labels"][len(prompt)] != -100
+    assert tok.decode([t for t in ex["labels"] if t != -100]).startswith("river rocket cloud")
+    assert _prompt(row, chat_layout=True) == (user, "river rocket cloud")
+    raw = encode(row, "instruction", tok, DataSpec())  # the default keeps the raw layout of earlier runs
+    assert raw["input_ids"][: len(tok("Reverse the words.\ncloud rocket river\n")["input_ids"])] == \
+        tok("Reverse the words.\ncloud rocket river\n")["input_ids"]
