@@ -12,13 +12,14 @@ import sys
 
 from finetune.commands.common import add_recipe_arguments
 from finetune.data.chat import IGNORE
+from finetune.data.explain import data_notes
 from finetune.util.errors import RecipeError
 
 OPEN, CLOSE = "\u27e6", "\u27e7"  # ⟦trained⟧ when the output is not a terminal
 GREEN, RESET = "\033[1;32m", "\033[0m"
 
 
-def _tokenizer(model_spec):
+def tokenizer_for(model_spec):
     """The recipe's tokenizer. For the builtin model only its tokenizer files are needed, so the shipped
     ones are read directly (never building or loading weights just to look at data)."""
     from finetune.weights.resolve import load_tokenizer
@@ -69,15 +70,18 @@ def summary(stats: dict, data_spec) -> list[str]:
                      f"{src['rows_eval']} held out, {src['rows_train']} to train")
     lines += [
         f"rows: {s['rows']} train, {s['eval_rows']} eval; bad rows skipped: {s['rows_skipped']}",
-        f"length: max {s['max_length']}, mean {s['mean_length']} tokens; longer than max_seq_len "
-        f"{data_spec.max_seq_len}: {s['truncated']} truncated, {s['dropped_overlong']} dropped; "
-        f"{s['no_trained_tokens']} dropped with nothing to train",
+        f"length: kept examples max {s['max_length']}, mean {s['mean_length']} tokens; before max_seq_len "
+        f"{data_spec.max_seq_len}: longest {s['longest_example']}, 99% within {s['max_seq_len_99pct']}; "
+        f"{s['truncated']} truncated, {s['dropped_overlong'] + s['prompt_fills_max_seq_len']} dropped for length, "
+        f"{s['no_trained_tokens']} with nothing to train",
         f"tokens: {s['tokens']}, trained: {s['trained_tokens']} ({pct:.1f}%)",
         f"packing ({'on' if data_spec.packing else 'off'}, layout {s['packing_layout'] or 'padded'}): "
         f"efficiency {s['packing_efficiency']:.3f} over {s['packed_rows']} rows of {data_spec.max_seq_len}; "
         f"padding per micro-batch of {s['micro_batch_size']}: {100 * s['padding_fraction_unpacked']:.1f}% unpacked, "
         f"{100 * s['padding_fraction_packed']:.1f}% packed",
     ]
+    infos, warns = data_notes(data_spec, s)
+    lines += infos + [f"warning: {w}" for w in warns]
     lines += chat_lines(s)
     if s["bad_rows"]:
         lines.append(f"bad rows (first {len(s['bad_rows'])} of {s['rows_skipped']}):")
@@ -140,7 +144,7 @@ def run(args) -> int:
     if args.dataset:
         recipe.data.sources = [DataSource(path=args.dataset)]
         recipe.data.eval_sources = []
-    tok = _tokenizer(recipe.model)
+    tok = tokenizer_for(recipe.model)
     prepared = prepare(recipe.data, tok, vocab_size(recipe.model.name))
     stats = dict(prepared.stats)
     stats.update(batch_stats(prepared.train, recipe.train.micro_batch_size, recipe.data.max_seq_len))

@@ -11,6 +11,8 @@ def register(sub) -> None:
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.add_argument("--max-rows", type=int, default=2000,
                    help="score at most this many held-out rows (default 2000, said when it applies; 0: all)")
+    p.add_argument("--show", type=int, default=0, metavar="N",
+                   help="print N of the predictions (RUN_DIR/predictions.jsonl: prompt, expected, adapter, base)")
     p.set_defaults(run=run)
 
 
@@ -18,14 +20,22 @@ def run(args) -> int:
     import json
 
     from finetune.train.inference import run_eval
-
     from finetune.util.errors import RecipeError
 
     if args.max_rows < 0:
         raise RecipeError([f"--max-rows must be >= 0, got {args.max_rows}"])
+    if args.show < 0:
+        raise RecipeError([f"--show must be >= 0, got {args.show}"])
     res = run_eval(args.run_dir, args.max_rows)
     for k, v in res.items():
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+    if args.show and res.get("predictions"):
+        rows = [json.loads(line) for line in Path(res["predictions"]).read_text().splitlines()]
+        for i, r in enumerate(rows[: args.show]):
+            print(f"--- prediction {i + 1} of {len(rows)}")
+            prompt = r["prompt"] if isinstance(r["prompt"], str) else json.dumps(r["prompt"], ensure_ascii=False)
+            print(f"prompt:   {prompt!r}\nexpected: {r['expected']!r}\nadapter:  {r['adapter']!r}"
+                  f"{' (match)' if r['match'] else ''}\nbase:     {r['base']!r}{' (match)' if r['base_match'] else ''}")
     if args.json:
         print(json.dumps(res))
     return 0

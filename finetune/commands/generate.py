@@ -25,8 +25,13 @@ def register(sub) -> None:
                                    "turn rendered with the run's chat template up to the assistant's turn, exactly "
                                    "as training rendered it. Greedy unless --temperature > 0.")
     p.add_argument("run_dir", type=Path, help="run dir (recipe.yaml + adapter/), or with --merged a merged model dir")
-    p.add_argument("--prompt", action="append", required=True,
+    p.add_argument("--prompt", action="append", default=[],
                    help="may be given several times; \\n, \\t, \\r and \\\\ are decoded")
+    p.add_argument("--instruction", help="an instruction row's instruction, laid out as training lays out "
+                                         "instruction rows (with --input)")
+    p.add_argument("--input", help="the instruction row's input (with --instruction)")
+    p.add_argument("--messages", type=Path, help="a JSON file: a list of chat messages, or {\"messages\": [...], "
+                                                 "\"tools\": [...]}; the answer is the next assistant turn")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
                    help="render each prompt as a user turn with the chat template (default: when the recipe's "
                         "training data are chats)")
@@ -62,24 +67,64 @@ def check_arguments(args) -> None:
         raise RecipeError(bad)
 
 
+def instruction_rows(args) -> list[dict]:
+    """--instruction/--input as an instruction row; training's layout is applied once the recipe is read."""
+    from finetune.util.errors import RecipeError
+
+    if args.input is not None and args.instruction is None:
+        raise RecipeError(["--input: give --instruction with it"])
+    if args.instruction is None:
+        if not args.prompt and not args.messages:
+            raise RecipeError(["give a prompt: --prompt TEXT, --instruction TEXT [--input TEXT] or --messages FILE"])
+        return []
+    return [{"instruction": decode_escapes(args.instruction), "input": decode_escapes(args.input or "")}]
+
+
+def read_messages(path: Path):
+    """A multi-turn prompt from a JSON file: a list of messages, or {"messages", "tools"} (as a data row)."""
+    import json
+
+    from finetune.util.errors import RecipeError
+
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise RecipeError([f"--messages: {path}: {e}"]) from None
+    msgs = value.get("messages") if isinstance(value, dict) else value
+    if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) and "role" in m for m in msgs):
+        raise RecipeError([f"--messages: {path}: expected a list of messages ({{\"role\", \"content\"}}) or "
+                           "{\"messages\": [...], \"tools\": [...]}"])
+    tools = value.get("tools") if isinstance(value, dict) else None
+    return {"messages": msgs, "tools": tools} if tools else msgs
+
+
 def run(args) -> int:
     import contextlib
     import json
 
-    from finetune.data.encode import chat_template
+    from finetune.data.encode import chat_template, instruction_prompt, instruction_user
     from finetune.train.inference import check_context, generate, load_run, trains_chat
     from finetune.util.errors import RecipeError
 
     check_arguments(args)
+    texts, rows = [decode_escapes(p) for p in args.prompt], instruction_rows(args)  # bad arguments before loading
+    conversation = read_messages(args.messages) if args.messages else None
     recipe, tok, model = load_run(args.run_dir, merged=args.merged)
     chat = args.chat if args.chat is not None else (recipe is not None and trains_chat(recipe))
     template = (chat_template(recipe.data, tok) if recipe is not None else tok.chat_template) if chat else None
     if chat and not template:
         raise RecipeError(["--chat: the tokenizer has no chat template and the recipe sets no data.chat_template"])
+    # an instruction row is laid out as training laid it out: a user turn (data.prompt_template: chat) or raw text
+    texts += [instruction_user(r) if chat else instruction_prompt(r) for r in rows]
     mnt = args.max_new_tokens or (recipe.eval.max_new_tokens if recipe is not None else 64)
-    texts = [decode_escapes(p) for p in args.prompt]
     system = [{"role": "system", "content": args.system}] if args.system else []
-    prompts = [system + [{"role": "user", "content": t}] for t in texts] if chat else texts
+    prompts = [system + [{"role": "user", "content": t}] for t in texts] if chat else list(texts)
+    if conversation is not None:
+        template = template or (chat_template(recipe.data, tok) if recipe is not None else tok.chat_template)
+        if not template:
+            raise RecipeError(["--messages: the tokenizer has no chat template and the recipe sets no data.chat_template"])
+        prompts.append(conversation)
+        texts.append(conversation)
     sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else None
     if args.seed is not None:
         from transformers import set_seed

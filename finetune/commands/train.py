@@ -18,15 +18,21 @@ def register(sub) -> None:
 
 
 def run(a) -> int:
+    import os
+    import time
     from pathlib import Path
 
-    from finetune.train.preflight import preflight
+    # Nothing downloads during a run (the hub would be retried for about 50 s when the weights are missing);
+    # here_problems says what to fetch instead. Set before the hub libraries are imported: they read it once.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from finetune.train.preflight import here_problems, preflight
     from finetune.util.errors import RecipeError, RunError
     from finetune.util.log import log
 
+    t0 = time.perf_counter()
     recipe = load_recipe(a)
     # Every check that needs no weights runs before any process loads them.
-    problems = preflight(recipe)
+    problems = preflight(recipe) + here_problems(recipe)
     for p in problems:
         if p.level == "warning":
             print(f"warning: {p.render()}", file=sys.stderr)
@@ -40,8 +46,11 @@ def run(a) -> int:
     replaced = None if a.overwrite else finished_run(Path(recipe.output.dir), recipe)
     if replaced:
         raise RecipeError([replaced], a.recipe)
+    from finetune.train.keepers.summary import summary
     from finetune.train.loop import train
+    from finetune.util.log import is_main
 
     result = train(recipe, Path(recipe.output.dir))
-    log.info(f"done: {result}; run dir {recipe.output.dir}")
+    if is_main():  # the run dir's files are the main process's to read
+        log.info("\n".join(summary(Path(recipe.output.dir), result, time.perf_counter() - t0)))
     return 0

@@ -19,7 +19,7 @@ def register(sub) -> None:
 def run(a) -> int:
     from finetune.commands.common import at_least_one
     from finetune.recipe.lora_methods import describe_method
-    from finetune.train.preflight import preflight, render
+    from finetune.train.preflight import here_problems, preflight, render
     from finetune.util.units import parse_size
 
     gpu_mem = parse_size(a.gpu_memory, "--gpu-memory") if a.gpu_memory else None
@@ -32,6 +32,8 @@ def run(a) -> int:
         print(render(problems))
     print_adapted(r)
     print(describe_method(r))
+    for p in here_problems(r):  # this machine, not the recipe: training refuses them, validate only tells
+        print(f"before training here: {p.render()}")
     warnings = len(problems) - errors
     print(f"{a.recipe}: {'FAILED' if errors else 'ok'} ({errors} error(s), {warnings} warning(s))")
     return 2 if errors else 0

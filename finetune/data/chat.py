@@ -158,8 +158,18 @@ def chat_examples(tok, messages: list[dict], template: str | None, tools, train_
     if not template:
         raise ValueError("chat data needs a chat template: the tokenizer has none; set data.chat_template "
                          "(a Jinja template, or `chatml`)")
+    import jinja2
+
     tools = parse_json_field(tools, list) if tools is not None else None
     chat = Chat(tok, normalize(messages), template, tools, key)
+    try:
+        return _examples(chat, train_on_inputs, first_trained)
+    except jinja2.TemplateError as e:  # a raw Jinja message names no row, turn or field
+        raise ValueError(template_error(chat, e)) from None
+
+
+def _examples(chat: Chat, train_on_inputs: bool, first_trained: int) -> list[dict]:
+    template, tools = chat.template, chat.tools
     if train_on_inputs:
         ids = chat.ids(chat.text(len(chat.msgs)))
         return [{"input_ids": ids, "labels": list(ids), "turns": 0, "check": ""}]
@@ -175,3 +185,38 @@ def chat_examples(tok, messages: list[dict], template: str | None, tools, train_
                              "rendered chat)")
     marked = bool(GENERATION_TAG.search(template))
     return [_example(chat, turns, last, members, marked) for last, members in _groups(turns)]
+
+
+_FIELD = re.compile(r"has no attribute '([^']+)'|'([^']+)' is undefined|object has no element '?([^' ]+)")
+
+
+def template_error(chat: Chat, e: Exception) -> str:
+    """A chat template's exception as the turn it fails on (the first prefix of the chat that does not render),
+    the field it reads there, and the fix."""
+    import jinja2
+
+    def fails(n: int) -> bool:
+        try:
+            chat.text(n)
+        except jinja2.TemplateError:
+            return True
+        return False
+
+    raw = str(e).splitlines()[0] if str(e) else type(e).__name__
+    n = next((n for n in range(1, len(chat.msgs) + 1) if fails(n)), None)
+    if n is None:
+        return f"the chat template fails on this row: {raw}"
+    m = chat.msgs[n - 1]
+    turn = f"{chat.key}[{n - 1}] ({m.get('role', '?')}{', with tool_calls' if m.get('tool_calls') else ''})"
+    found = _FIELD.search(raw)
+    field = next((g for g in found.groups() if g), None) if found else None
+    why = (f"the chat template reads '{field}', which this turn does not have (null or absent)"
+           if field and field not in m else f"the chat template fails on this turn: {raw}")
+    if m.get("tool_calls") and "tool_calls" not in chat.template:
+        fix = ("this template never reads tool_calls, so it cannot train tool calls: use a model whose chat "
+               "template renders them, or set data.chat_template to one that does")
+    elif m.get("role") == "tool" and "tool" not in chat.template.replace("tool_calls", ""):
+        fix = "this template has no tool role: use a template that renders tool results, or drop the tool turns"
+    else:
+        fix = f"give every {m.get('role', '?')} turn the fields the template reads, or set data.chat_template"
+    return f"{turn}: {why}. Fix: {fix}"

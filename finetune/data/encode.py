@@ -10,7 +10,7 @@ from finetune.data.chat import IGNORE, chat_examples
 from finetune.data.formats import REASONING_KEYS, SHAREGPT_ROLES, detect_format
 from finetune.recipe import DataSpec
 
-ENCODER_VERSION = 5  # part of the cache key: bump when encode() changes what it produces
+ENCODER_VERSION = 6  # part of the cache key: bump when encode() changes what it produces
 # Text is cut to max_seq_len x this many characters before it is tokenized (bounded time and memory per row,
 # whatever the row's size). Tokens average about 4 characters; a piece cut here still makes far more tokens
 # than max_seq_len, so the first max_seq_len tokens, and whether the row is too long, stay exactly the same.
@@ -31,6 +31,20 @@ def chat_template(spec: DataSpec, tok) -> str | None:
 def instruction_prompt(row: dict) -> str:
     """Alpaca-style fields as one prompt (the same layout `finetune eval` prompts with)."""
     return row["instruction"] + ("\n" + row["input"] if row.get("input") else "") + "\n"
+
+
+def instruction_user(row: dict) -> str:
+    """An instruction row's user turn under `data.prompt_template: chat`: the instruction, then its input."""
+    return row["instruction"] + ("\n\n" + row["input"] if row.get("input") else "")
+
+
+def plain_chat(row: dict, fmt: str) -> list[dict]:
+    """An instruction or prompt/completion row as the two-turn chat `prompt_template: chat` trains."""
+    if fmt == "instruction":
+        prompt, answer = instruction_user(row), _str(row, "output")
+    else:
+        prompt, answer = _str(row, "prompt"), _str(row, "completion")
+    return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
 
 
 def _ids(tok, text: str, special: bool, max_len: int | None = None) -> list[int]:
@@ -179,6 +193,10 @@ def encode(row: dict, fmt: str, tok, spec: DataSpec) -> dict:
         if len(examples) > 1:
             raise ValueError(f"this chat trains as {len(examples)} examples (its template rewrites history)")
         return examples[0]
+    if fmt in ("prompt_completion", "instruction") and spec.prompt_template == "chat":
+        _str(row, "instruction" if fmt == "instruction" else "prompt")
+        return chat_examples(tok, _cut_turns(plain_chat(row, fmt), n), chat_template(spec, tok), None,
+                             spec.train_on_inputs)[0]  # two turns: one example
     if fmt == "prompt_completion":
         return _prompt_completion(tok, _str(row, "prompt"), _str(row, "completion"), spec.train_on_inputs, n)
     if fmt == "instruction":

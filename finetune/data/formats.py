@@ -9,6 +9,7 @@ are reported.
 from __future__ import annotations
 
 import json
+import re
 
 from finetune.util.errors import RecipeError
 
@@ -30,13 +31,22 @@ class BadRows:
 
     def check(self):
         if self.mode == "error" and self.items:
-            more = len(self.items) - self.SHOW
-            tail = [f"... and {more} more bad rows"] if more > 0 else []
-            raise RecipeError(self.items[: self.SHOW] + tail
-                              + ["(set data.on_bad_row: skip to skip bad rows and report them)"])
+            raise RecipeError(self.first(self.SHOW), total=len(self.items),
+                              notes=("(set data.on_bad_row: skip to skip bad rows and report them)",))
+
+    def first(self, n: int) -> list[str]:
+        """The first n bad rows in file and line order (encoding sees rows shuffled; a reader does not)."""
+        return sorted(self.items, key=where_key)[:n]
 
     def __len__(self):
         return len(self.items)
+
+
+def where_key(item: str) -> tuple:
+    """Sort key of "file.jsonl:7: why" or "file.parquet row 12: why": the file, then the line as a number."""
+    head = item.split(": ", 1)[0]
+    m = re.match(r"(.*?)(?::| row )(\d+)$", head)
+    return (m.group(1), int(m.group(2))) if m else (head, 0)
 
 
 def detect_format(row: dict) -> str | None:

@@ -12,6 +12,7 @@ import random
 from dataclasses import dataclass, field
 
 from finetune.data.encode import ENCODER_VERSION, IGNORE, chat_template, encode_all
+from finetune.data.explain import length_figures, length_lines
 from finetune.data.formats import BadRows
 from finetune.data.sources import read_source
 from finetune.recipe import DataSpec
@@ -39,7 +40,7 @@ def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec) -> dict:
     import jinja2
 
     keys = ("input_ids", "labels", "rejected_ids", "rejected_labels", "where", "error", "row", "parts", "turns",
-            "check")
+            "check", "length")
     out = {k: [] for k in keys}
     cut = spec.max_seq_len + 1
     for text, fmt, index in zip(batch["row"], batch["fmt"], indices):
@@ -47,13 +48,14 @@ def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec) -> dict:
         try:
             examples, err = encode_all(row, fmt, tok, spec), ""
         except (ValueError, TypeError, KeyError, IndexError, jinja2.TemplateError) as e:
-            examples, err = [{"input_ids": [], "labels": []}], str(e).splitlines()[0][:300] or type(e).__name__
+            examples, err = [{"input_ids": [], "labels": []}], str(e).splitlines()[0][:400] or type(e).__name__
         for ex in examples:
             # Stored up to one token past max_seq_len: enough to tell a row is too long, and the cache stays
             # bounded per row whatever the row's size. Rejected ids are empty but for preference pairs.
             vals = (ex["input_ids"][:cut], ex["labels"][:cut], ex.get("rejected_ids", [])[:cut],
                     ex.get("rejected_labels", [])[:cut],
-                    row.get("_where", "row"), err, index, len(examples), ex.get("turns", 0), ex.get("check", ""))
+                    row.get("_where", "row"), err, index, len(examples), ex.get("turns", 0), ex.get("check", ""),
+                    max(len(ex["input_ids"]), len(ex.get("rejected_ids", ()))))  # before the cut: the length report
             for k, v in zip(keys, vals):
                 out[k].append(v)
     return out
@@ -72,7 +74,7 @@ def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str)
     texts = [json.dumps(r, ensure_ascii=False, sort_keys=True, default=str) for _, r in pairs]
     fmts = [f for f, _ in pairs]
     key = Hasher.hash([ENCODER_VERSION, texts, fmts, _tokenizer_fingerprint(tok), spec.train_on_inputs,
-                       chat_template(spec, tok), spec.max_seq_len])
+                       chat_template(spec, tok), spec.max_seq_len, spec.prompt_template])
     cache = data_cache_dir() / f"{what}-{key}.arrow"
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -159,16 +161,18 @@ def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict, voca
         pair = bool(ex.get("rejected_ids"))
         if not pair:  # a preference pair's rejected side exists only in pairs
             ex.pop("rejected_ids", None), ex.pop("rejected_labels", None)
-        if max(len(ex["input_ids"]), len(ex.get("rejected_ids", ()))) > spec.max_seq_len:
+        counts["lengths"].append(ex.pop("length"))
+        cut = max(len(ex["input_ids"]), len(ex.get("rejected_ids", ()))) > spec.max_seq_len
+        if cut:
             if spec.overlong == "drop":
                 counts["dropped_overlong"] += 1
                 continue
-            counts["truncated"] += 1
             for k in ("input_ids", "labels", "rejected_ids", "rejected_labels")[: 4 if pair else 2]:
                 ex[k] = ex[k][: spec.max_seq_len]
         if all(t == IGNORE for t in ex["labels"][1:]) or (pair and all(t == IGNORE for t in ex["rejected_labels"][1:])):
-            counts["no_trained_tokens"] += 1
+            counts["prompt_fills_max_seq_len" if cut else "no_trained_tokens"] += 1
             continue
+        counts["truncated"] += cut
         kept.append(i)
     return kept
 
@@ -223,6 +227,9 @@ def _check_templates(pairs, spec: DataSpec, tok):
     chat = any(f in ("messages", "sharegpt") or (f in ("prompt_completion", "preference", "auto")
                                                  and isinstance(r.get("prompt", r.get("chosen")), list))
                for f, r in pairs)
+    if spec.prompt_template == "chat" and not chat_template(spec, tok):
+        raise RecipeError(["data.prompt_template: chat renders rows with a chat template and the tokenizer has none; "
+                           "set data.chat_template (a Jinja template or `chatml`) or data.prompt_template: raw"])
     if chat and not chat_template(spec, tok):
         raise RecipeError(["data.chat_template: the data has chat rows but the tokenizer has no chat template; "
                            "set data.chat_template to a Jinja template or `chatml`"])
@@ -234,21 +241,22 @@ def prepare(spec: DataSpec, tok, vocab_size: int | None = None) -> Prepared:
     bad = BadRows(spec.on_bad_row)
     train_pairs, eval_pairs, per_source = _read_all(spec, bad, random.Random(spec.shuffle_seed), vocab_size)
     _check_templates(train_pairs + eval_pairs, spec, tok)
-    counts = {"truncated": 0, "dropped_overlong": 0, "no_trained_tokens": 0}
+    counts = {"truncated": 0, "dropped_overlong": 0, "prompt_fills_max_seq_len": 0, "no_trained_tokens": 0,
+              "lengths": []}
     train = encode_cached(train_pairs, tok, spec, "train")
     train = [train[i] for i in _keep(train, spec, bad, counts, vocab_size)]
     evals = encode_cached(eval_pairs, tok, spec, "eval") if eval_pairs else []
-    kept = _keep(evals, spec, bad, dict(counts), vocab_size)
+    kept = _keep(evals, spec, bad, {**counts, "lengths": []}, vocab_size)
+    counts.update(length_figures(counts.pop("lengths")))
     evals, eval_rows = [evals[i] for i in kept], [eval_pairs[evals[i]["row"]][1] for i in kept]
     bad.check()
     if not train:
         raise RecipeError(["data: no training examples left after reading and filtering"
-                           + (f" ({len(bad)} bad rows, first: {bad.items[0]})" if bad else "")
-                           + (f" ({counts['dropped_overlong']} longer than data.max_seq_len "
-                              f"{spec.max_seq_len}, dropped)" if counts["dropped_overlong"] else "")])
+                           + (f" ({len(bad)} bad rows, first: {bad.first(1)[0]})" if bad else "")]
+                          + length_lines(counts, spec.max_seq_len))
     # No packing statistics here: they pack every row (a second copy of the data, and trl imported) for a
     # figure only `finetune data` shows, and it computes them itself (batching.batch_stats).
-    stats = {"rows": len(train), "eval_rows": len(evals), "rows_skipped": len(bad), "bad_rows": bad.items[:5],
+    stats = {"rows": len(train), "eval_rows": len(evals), "rows_skipped": len(bad), "bad_rows": bad.first(5),
              **counts, **token_stats(train), **chat_stats(train), "sources": per_source}
     return Prepared(train, evals, eval_rows, stats)
 

@@ -89,6 +89,33 @@ def _is_hub_id(path: str) -> bool:
         and Path(path).suffix.lower() not in SUFFIXES
 
 
+def is_saved_dataset(path: str) -> bool:
+    """A folder `datasets`' save_to_disk wrote: a Dataset (state.json) or a DatasetDict (dataset_dict.json).
+    Its .json files describe the arrow files; reading them as data would fail on a misleading row."""
+    p = Path(path).expanduser()
+    return p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file())
+
+
+def read_saved(src: DataSource) -> Iterator[dict]:
+    """The rows of a save_to_disk folder (datasets.load_from_disk); a DatasetDict gives its `split`."""
+    import datasets
+
+    try:
+        ds = datasets.load_from_disk(str(Path(src.path).expanduser()))
+    except (OSError, ValueError) as e:
+        raise RecipeError([f"data: {src.path}: a datasets save_to_disk folder that cannot be read: "
+                           f"{str(e).splitlines()[0]}"]) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if src.split not in ds:
+            raise RecipeError([f"data: {src.path} is a DatasetDict without a split '{src.split}'; its splits: "
+                               f"{', '.join(ds)}. Set the source's split (data.sources[0].split=NAME)"])
+        ds = ds[src.split]
+    for k, row in enumerate(ds):
+        row = dict(row)
+        row["_where"] = f"{src.path}[{src.split}] row {k}"
+        yield row
+
+
 def synthetic_rows(src: DataSource, vocab_size: int | None) -> Iterator[dict]:
     opts = parse_tokens(src.path)
     vocab = opts["vocab"] or vocab_size
@@ -107,6 +134,8 @@ def iter_rows(src: DataSource, bad: BadRows, vocab_size: int | None = None) -> I
         if not f.exists():
             raise RecipeError([f"data: builtin dataset {src.path} has no split '{src.split}'"])
         yield from read_jsonl(f, bad)
+    elif is_saved_dataset(src.path):
+        yield from read_saved(src)
     elif Path(src.path).expanduser().exists() or not _is_hub_id(src.path):
         for f in source_files(src.path):
             yield from read_file(f, bad)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,22 @@ def _set(node: dict, key: str, value):
         node[key] = value
 
 
+_INDEXED = re.compile(r"^([^\[\]]+)((?:\[\d+\])*)$")
+
+
+def _steps(parts: list[str]) -> list[str | int] | None:
+    """`["data", "sources[0]", "format"]` -> `["data", "sources", 0, "format"]` (the syntax the errors print);
+    None when a part's brackets are not `[N]`."""
+    out: list[str | int] = []
+    for part in parts:
+        m = _INDEXED.match(part)
+        if not m:
+            return None
+        out.append(m.group(1))
+        out += [int(i) for i in re.findall(r"\d+", m.group(2))]
+    return out
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     problems = []
     for text in overrides:
@@ -110,17 +127,41 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         except RecipeError as e:
             problems += e.problems
             continue
-        node = data
-        for p in parts[:-1]:
-            if not isinstance(node.get(p, {}), dict):
-                problems.append(f"override '{text}': {p} is not a section")
-                break
-            node = node.setdefault(p, {})
-        else:
-            _set(node, parts[-1], value)
+        problem = _apply(data, text, _steps(parts), value)
+        if problem:
+            problems.append(problem)
     if problems:
         raise RecipeError(problems, "command line")
     return data
+
+
+def _apply(data: dict, text: str, steps: list | None, value) -> str | None:
+    """Set one override; the problem as a line when its key does not lead anywhere."""
+    if steps is None:
+        return f"override '{text}': a list entry is written key[N], e.g. data.sources[0].format=messages"
+    node, done = data, []
+    for step in steps[:-1]:
+        if isinstance(step, int):
+            if not isinstance(node, list) or not step < len(node):
+                n = len(node) if isinstance(node, list) else 0
+                size = f"has {n} entr{'y' if n == 1 else 'ies'}" if isinstance(node, list) else "is not a list"
+                return f"override '{text}': {'.'.join(done)} {size}"
+            node = node[step]
+            done[-1] += f"[{step}]"
+            continue
+        if not isinstance(node, dict) or not isinstance(node.get(step, {}), (dict, list)):
+            return f"override '{text}': {step} is not a section"
+        node = node.setdefault(step, {})
+        done.append(step)
+    if isinstance(steps[-1], int):
+        if not isinstance(node, list) or not steps[-1] < len(node):
+            return f"override '{text}': {'.'.join(done)} has no entry {steps[-1]}"
+        node[steps[-1]] = value
+    elif isinstance(node, dict):
+        _set(node, steps[-1], value)
+    else:
+        return f"override '{text}': {'.'.join(done)} is a list: name an entry, e.g. {'.'.join(done)}[0]"
+    return None
 
 
 MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few KiB; a bigger file is not one (and /dev/zero never ends)

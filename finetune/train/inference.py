@@ -8,6 +8,7 @@ of the completion of prompt/completion and instruction rows and of the last assi
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -85,6 +86,8 @@ def trains_chat(recipe) -> bool:
     from finetune.data.sources import iter_rows
     from finetune.util.log import log
 
+    if recipe.data.prompt_template == "chat":  # every text prompt trained as a user turn
+        return True
     for src in recipe.data.sources:
         if src.format in ("messages", "sharegpt"):
             return True
@@ -100,9 +103,10 @@ def trains_chat(recipe) -> bool:
     return False
 
 
-def _prompt(row: dict):
+def _prompt(row: dict, chat_layout: bool = False):
     """(prompt, expected answer) of a held-out row: a text prompt, or the messages before a chat's last
-    assistant turn; None for rows without one (text)."""
+    assistant turn; None for rows without one (text). With `chat_layout` (data.prompt_template: chat)
+    instruction and prompt/completion rows are prompted as the user turn they trained as."""
     if "chosen" in row and "rejected" in row:  # a preference pair: its chosen answer is the expected one
         prompt, chosen, _ = encode.pair_prompt(row)
         return prompt, chosen if isinstance(chosen, str) else chosen[-1]["content"]
@@ -110,8 +114,10 @@ def _prompt(row: dict):
     if chat:
         return chat
     if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        return row["prompt"], row["completion"]
+        return ([{"role": "user", "content": row["prompt"]}] if chat_layout else row["prompt"]), row["completion"]
     if isinstance(row.get("instruction"), str) and isinstance(row.get("output"), str):
+        if chat_layout:
+            return [{"role": "user", "content": encode.instruction_user(row)}], row["output"]
         return encode.instruction_prompt(row), row["output"]
     return None
 
@@ -171,11 +177,15 @@ def greedy(model, tok, prompts: list, max_new_tokens: int, template: str | None 
     return generate(model, tok, prompts, template, max_new_tokens)
 
 
-def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int, template: str | None) -> float | None:
-    pairs = [p for p in (_prompt(r) for r in rows) if p][:n]
+def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int, template: str | None,
+                record: list | None = None, chat_layout: bool = False) -> float | None:
+    """The share of held-out prompts answered exactly; `record` receives (prompt, expected, output) of each."""
+    pairs = [p for p in (_prompt(r, chat_layout) for r in rows) if p][:n]
     if not pairs:
         return None
     outs = generate(model, tok, [p for p, _ in pairs], template, max_new_tokens)
+    if record is not None:
+        record.extend((p, c, o) for (p, c), o in zip(pairs, outs))
     return sum(o.strip() == c.strip() for o, (_, c) in zip(outs, pairs)) / len(pairs)
 
 
@@ -206,14 +216,15 @@ def preference_metrics(model, examples, recipe) -> dict:
             "preference_margin": totals.get("logp_margin", 0.0) / pairs}
 
 
-def _scores(model, tok, prepared, recipe, prefix: str = "") -> dict:
+def _scores(model, tok, prepared, recipe, prefix: str = "", record: list | None = None) -> dict:
     """Held-out loss (of the chosen answers, for pairs), exact match and, for pairs, preference_metrics."""
     n, mnt = recipe.eval.exact_match_samples, recipe.eval.max_new_tokens
     template = encode.chat_template(recipe.data, tok)
     pairs = [e for e in prepared.eval if "rejected_ids" in e]
     chosen = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in prepared.eval]
     res = {"eval_loss": heldout_loss(model, chosen, recipe),
-           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt, template)}
+           "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt, template, record,
+                                      recipe.data.prompt_template == "chat")}
     if pairs:
         res.update(preference_metrics(model, pairs, recipe))
     return {prefix + k: v for k, v in res.items()}
@@ -222,6 +233,18 @@ def _scores(model, tok, prepared, recipe, prefix: str = "") -> dict:
 # `finetune eval`'s default cap on held-out rows: a 100,000-row held-out set would run for many minutes, twice
 # (adapter and base), with nothing to show for it but a slightly narrower error bar.
 MAX_EVAL_ROWS = 2000
+
+
+def write_predictions(run_dir: Path, adapter: list, base: list) -> Path:
+    """RUN_DIR/predictions.jsonl: each exact-match prompt, its expected answer, the adapter's and the base's."""
+    from finetune.util.atomic import write_text
+
+    lines = [json.dumps({"prompt": p, "expected": c, "adapter": o, "base": b, "match": o.strip() == c.strip(),
+                         "base_match": b.strip() == c.strip()}, ensure_ascii=False)
+             for (p, c, o), (_, _, b) in zip(adapter, base)]
+    path = run_dir / "predictions.jsonl"
+    write_text(path, "".join(line + "\n" for line in lines))
+    return path
 
 
 def run_eval(run_dir: Path, max_rows: int | None = MAX_EVAL_ROWS) -> dict:
@@ -238,9 +261,12 @@ def run_eval(run_dir: Path, max_rows: int | None = MAX_EVAL_ROWS) -> dict:
         log.info(f"eval: scoring the first {max_rows} of {len(prepared.eval)} held-out rows (--max-rows N for "
                  "more, --max-rows 0 for all)")
         prepared.eval, prepared.eval_rows = prepared.eval[:max_rows], prepared.eval_rows[:max_rows]
-    res = _scores(model, tok, prepared, recipe)
+    adapter, base = [], []
+    res = _scores(model, tok, prepared, recipe, record=adapter)
     with model.disable_adapter():
-        res.update(_scores(model, tok, prepared, recipe, "base_"))
+        res.update(_scores(model, tok, prepared, recipe, "base_", record=base))
+    if adapter:
+        res["predictions"] = str(write_predictions(Path(run_dir), adapter, base))
     start = recipe.lora.init_adapter
     if start and (Path(start) / "adapter_model.safetensors").exists():
         model.load_adapter(start, adapter_name="start")

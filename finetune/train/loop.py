@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from finetune.data import batching
+from finetune.data.explain import data_notes
 from finetune.data.prepare import check_method
 from finetune.data.prepare import prepare as prepare_data
 from finetune.plan.archs import vocab_size
@@ -38,7 +39,7 @@ from finetune.train.refpolicy import attach_reference
 from finetune.train.keepers.memory import PhaseMemory
 from finetune.train.keepers.memory import table as memory_table
 from finetune.train.keepers.memory import tracker_values
-from finetune.train.optim import build_optimizer, build_scheduler
+from finetune.train.optim import build_optimizer, build_scheduler, schedule_note
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.train.stop import StopSignal
@@ -125,6 +126,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         stats = run.prepared.stats
         log.info(f"model: {trainable_report(run.model)}; data: {stats['rows']} rows, "
                  f"{stats['trained_tokens']} trained tokens; {run.total_steps} steps")
+        infos, warns = data_notes(recipe.data, stats)  # where eval rows come from; what the length policy dropped
+        log.info("\n".join(infos)), [log.warning(w) for w in warns]
     return steps(run, stop, return_model)
 
 
@@ -260,6 +263,8 @@ def restore(run: Run, resume_from: Path | None) -> None:
     run.step, run.epoch, run.cursor = state["step"], state["data"]["epoch"], state["data"]["cursor"]
     run.resumed_from = resume_from
     log.info(f"resume: from {resume_from} (step {run.step})")
+    if note := schedule_note(run.scheduler, run.step, run.total_steps):  # a longer run stretches the decay
+        log.warning(f"resume: {note}")
 
 
 def held_out_batches(run: Run) -> list:

@@ -106,11 +106,33 @@ def apply_lora(model, spec: LoraSpec, seed: int, plan=None):
     return model
 
 
-def trainable_report(model) -> dict:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    return {"trainable_params": trainable, "all_params": total,
-            "trainable_pct": round(100 * trainable / max(total, 1), 3)}
+def parameter_counts(model) -> dict:
+    """Parameters, not stored elements: a 4-bit weight's packed storage holds 2 parameters per byte (a bf16
+    element 4, a uint8 element 2), so its element count is not its parameter count."""
+    from bitsandbytes.nn import Linear4bit
+
+    packed = {id(m.weight) for m in model.modules() if isinstance(m, Linear4bit)}
+    total = trainable = quantized = 0
+    for p in model.parameters():
+        n = p.numel() * p.element_size() * 2 if id(p) in packed else p.numel()
+        total, trainable = total + n, trainable + (n if p.requires_grad else 0)
+        quantized += n if id(p) in packed else 0
+    return {"params": total, "trainable": trainable, "quantized_4bit": quantized}
+
+
+def count(n: int) -> str:
+    """1234567 -> 1.23M: parameter counts as people read them."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def trainable_report(model) -> str:
+    c = parameter_counts(model)
+    quant = f", {count(c['quantized_4bit'])} of them in 4 bits" if c["quantized_4bit"] else ""
+    return (f"{count(c['params'])} parameters{quant}, {count(c['trainable'])} trainable "
+            f"({100 * c['trainable'] / max(c['params'], 1):.2g}%)")
 
 
 def enable_checkpointing(model, spec: ModelSpec):

@@ -185,3 +185,16 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train: TrainSpec, total_st
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[train.lr_scheduler]
     return get_scheduler(name, optimizer=optimizer, num_warmup_steps=train.warmup_steps,
                          num_training_steps=total_steps)
+
+
+def schedule_note(scheduler, step: int, total_steps: int) -> str | None:
+    """What a resume does to the learning rate when the run's length changed (train.max_steps or epochs): the
+    schedule is recomputed over the new length, so the rate jumps from the checkpoint's value to the new
+    schedule's value at this step. None when it continues unchanged."""
+    old = scheduler.get_last_lr()[0]
+    new = scheduler.lr_lambdas[0](step) * scheduler.base_lrs[0]
+    if abs(new - old) <= 1e-6 * max(abs(old), abs(new), 1e-12):
+        return None
+    return (f"the learning-rate schedule now spans {total_steps} steps: step {step} ran at {old:.3g}, the next "
+            f"steps run from {new:.3g} and decay to 0 at step {total_steps}. To go on at a constant rate instead, "
+            f"start a new run from this adapter: lora.init_adapter=CHECKPOINT/adapter train.lr_scheduler=constant")

@@ -277,3 +277,55 @@ def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = 
 
 def render(problems: list[Problem]) -> str:
     return "\n".join(f"{p.level}: {p.render()}" for p in problems)
+
+
+CPU_PARAMS_LIMIT = 1_000_000_000  # above this a CPU step takes minutes to hours: a GPU recipe, not a CPU run
+ALLOW_CPU = "FINETUNE_ALLOW_CPU"
+
+
+def weights_problem(r: Recipe, cache_dir: str | None = None) -> Problem | None:
+    """A hub model whose weights are not in the local cache. Training reads them offline (HF_HUB_OFFLINE):
+    without this check the first launch retried the hub for about 50 s and ended in accelerate's traceback."""
+    from finetune.util.synthetic_names import is_synthetic
+
+    name = r.model.name
+    if name.startswith("builtin:") or is_synthetic(name) or os.path.isdir(os.path.expanduser(name)):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        snap = snapshot_download(name, revision=r.model.revision, local_files_only=True, cache_dir=cache_dir)
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        snap = None
+    if snap and glob.glob(os.path.join(snap, "*.safetensors")):
+        return None
+    revision = f" --revision {r.model.revision}" if r.model.revision else ""
+    return Problem(level="error", path="model.name",
+                   message=f"the weights of {name} are not in the local Hugging Face cache ({cache_dir or HF_HUB_CACHE}); "
+                           "training reads them offline and downloads nothing",
+                   fix=f"fetch them once where there is network: hf download {name}{revision} (or give a local "
+                       "directory as model.name)")
+
+
+def here_problems(r: Recipe, env=None) -> list[Problem]:
+    """What training needs from this machine before it starts: the weights on disk, and a GPU for a model
+    too large for CPU training (unless FINETUNE_ALLOW_CPU=1 says a CPU run is meant)."""
+    from finetune.plan.archs import resolve
+
+    env = os.environ if env is None else env
+    out = [p for p in (weights_problem(r),) if p]
+    if cuda_facts()[0] or env.get(ALLOW_CPU) == "1":
+        return out
+    try:
+        params = resolve(r.model.name)[0].params()
+    except (ValueError, OSError):
+        return out
+    if params > CPU_PARAMS_LIMIT:
+        out.append(Problem(level="error", path="device",
+                           message=f"no GPU here, and {r.model.name} has {params / 1e9:.1f}B parameters: on CPU a "
+                                   "step would take minutes to hours",
+                           fix=f"launch it on a GPU machine (the recipe's header has the command), or set "
+                               f"{ALLOW_CPU}=1 to train on this CPU anyway"))
+    return out

@@ -17,18 +17,23 @@ from pydantic import BaseModel
 class RecipeError(Exception):
     """Bad input (recipe, overrides, data or arguments). The CLI prints `problems` and exits 2."""
 
-    def __init__(self, problems: list[str], source: str | None = None):
+    def __init__(self, problems: list[str], source: str | None = None, total: int | None = None,
+                 notes: tuple[str, ...] = ()):
+        # `total`: how many problems there are when `problems` lists only the first few; `notes`: lines
+        # that follow the list (a fix, a setting) and are not problems, so the count never includes them.
         self.problems = list(problems)
-        self.source = source
+        self.source, self.total, self.notes = source, max(total or 0, len(self.problems)), tuple(notes)
         head = f"{source}: " if source else ""
-        super().__init__(head + "; ".join(self.problems))
+        super().__init__(head + "; ".join(self.problems + list(self.notes)))
 
     def render(self) -> str:
         where = f"{self.source}: " if self.source else ""
-        n = len(self.problems)
+        n, shown = self.total, len(self.problems)
         lines = [f"error: {where}{n} problem{'s' if n != 1 else ''} in the recipe" if self.source
-                 else f"error: {n} problem{'s' if n != 1 else ''}"]
+                 else f"error: {n} problem{'s' if n != 1 else ''}" + (f" (the first {shown} shown)" if n > shown else "")]
         lines += [f"  - {p}" for p in self.problems]
+        lines += [f"  ... and {n - shown} more"] if n > shown else []
+        lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
 
 

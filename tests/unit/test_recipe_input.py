@@ -82,12 +82,13 @@ def test_path_like_model_name_is_named_not_read_as_config(name, capsys, tmp_path
 
 
 def test_uncached_hub_model_without_network_is_one_error(tmp_path):
-    """The tokenizer loader reports a model that is neither local nor cached like the model loader: exit 2,
-    one message naming model.name, no traceback."""
+    """A model that is neither local nor cached stops the run before anything loads: exit 2, one message
+    naming model.name and the download command, no traceback."""
     out = run_cli([TINY, "model.name=nobody/not-cached-model", f"output.dir={tmp_path}/run"],
                   env={"HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
     assert out.returncode == 2, out.stderr
-    assert "model.name: cannot load the tokenizer of 'nobody/not-cached-model'" in out.stderr
+    assert "model.name: the weights of nobody/not-cached-model are not in the local Hugging Face cache" in out.stderr
+    assert "hf download nobody/not-cached-model" in out.stderr
     assert "Traceback" not in out.stderr
 
 

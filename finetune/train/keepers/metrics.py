@@ -19,14 +19,14 @@ class Metrics:
         self.main = is_main()
         self.trackers = trackers  # keepers.trackers.Trackers: the same records, at the same steps
         self.path = Path(run_dir) / "metrics.jsonl"
-        self.bar = None
+        self.bar, before = None, 0.0
         if self.main:
-            trim(self.path, start_step)
+            before = trim(self.path, start_step)
         if self.main and progress_bar and sys.stderr.isatty():
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True)
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() - before  # a resumed run's `time` goes on from the checkpoint's
 
     def step(self, step: int, **values):
         """Every optimizer step: advance the bar and show the latest values."""
@@ -60,13 +60,13 @@ class Metrics:
             self.trackers.finish()
 
 
-def trim(path: Path, start_step: int):
+def trim(path: Path, start_step: int) -> float:
     """Keep only the records of steps up to `start_step` (where training starts or resumes): the steps
     after it are about to run again, and a process killed mid-write may have left a torn last line.
-    Rewritten atomically, so a crash here loses nothing."""
+    Rewritten atomically, so a crash here loses nothing. Returns the last kept record's `time` (seconds)."""
     if not path.exists():
-        return
-    keep = []
+        return 0.0
+    keep, last = [], 0.0
     for line in path.read_text(errors="replace").splitlines():
         try:
             record = json.loads(line)
@@ -74,7 +74,10 @@ def trim(path: Path, start_step: int):
             continue
         if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start_step:
             keep.append(line + "\n")
+            t = record.get("time")
+            last = max(last, t) if isinstance(t, (int, float)) else last
     atomic.write_text(path, "".join(keep))
+    return last
 
 
 def _fmt(v):

@@ -1,0 +1,71 @@
+"""The end of a run and its resume, as the command line shows them (issue 37): parameter counts in parameters
+(not packed 4-bit bytes), the held-out source, a summary instead of `done: {dict}`, `time` going on across a
+resume, and a resume that lengthens the run saying what the learning-rate schedule does."""
+import json
+import re
+
+import pytest
+
+from ..conftest import run_cli
+
+pytestmark = pytest.mark.slow
+
+ARGS = ["recipes/tiny_cpu.yaml", "train.log_every=5", "train.save_every=10", "train.warmup_steps=2",
+        "data.max_samples=320", "eval.max_batches=2", "output.progress_bar=false"]
+
+
+def test_a_run_ends_in_a_summary_and_its_resume_keeps_time_and_names_the_schedule(tmp_path):
+    run = tmp_path / "run"
+    first = run_cli([*ARGS, "train.max_steps=10", f"output.dir={run}"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    out = first.stdout
+    assert "done: {" not in out
+    # The tiny Llama: 2.56M parameters in the base (2.36M of them in its 4-bit linears) + 262k of LoRA r=16.
+    assert re.search(r"^model: 2\.82M parameters, 2\.36M of them in 4 bits, 262k trainable \(9\.3%\);", out, re.M), out
+    assert "data: training on builtin:tiny-instruct; held out for eval: data.eval_sources builtin:tiny-instruct " \
+           "(split eval)" in out
+    assert re.search(r"^finished: 10 steps; [\d.]+ s wall for this command, [\d.]+ s of training in all, \d+ tokens/s$",
+                     out, re.M), out
+    assert re.search(r"^loss: [\d.]+ at step 1 -> [\d.]+ at step 10$", out, re.M)
+    assert re.search(r"^held out: eval_loss [\d.]+ ", out, re.M)
+    assert re.search(r"^peak memory: [\d.]+ GiB RSS per process \(phase \w+;", out, re.M)
+    assert f"adapter: {run / 'adapter'}" in out and f"finetune merge {run}" in out
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    t10 = max(r["time"] for r in records if r["step"] == 10)
+    second = run_cli([*ARGS, "train.max_steps=20", f"output.dir={run}"])
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert re.search(r"resume: the learning-rate schedule now spans 20 steps: step 10 ran at 0, the next steps run "
+                     r"from [\d.e-]+ and decay to 0 at step 20", second.stderr), second.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    after = [r["time"] for r in records if r["step"] > 10]
+    assert after and min(after) > t10, (t10, after)  # the clock goes on from the checkpoint's time
+
+
+def test_eval_writes_and_shows_predictions_and_generate_takes_instruction_rows_and_conversations(tmp_path):
+    run = tmp_path / "run"
+    assert run_cli([*ARGS, "train.max_steps=4", "eval.exact_match_samples=4", f"output.dir={run}"]).returncode == 0
+    shown = run_cli(["eval", str(run), "--show", "2"])
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]
+    assert rows and set(rows[0]) == {"prompt", "expected", "adapter", "base", "match", "base_match"}
+    assert f"predictions: {run / 'predictions.jsonl'}" in shown.stdout
+    assert shown.stdout.count("--- prediction ") == 2 and f"expected: {rows[0]['expected']!r}" in shown.stdout
+
+    # an instruction row's fields render as training renders them: the same tokens as the layout typed out
+    by_fields = run_cli(["generate", str(run), "--instruction", "Reverse the words.", "--input", "cloud rocket river",
+                         "--max-new-tokens", "6"])
+    typed = run_cli(["generate", str(run), "--prompt", "Reverse the words.\\ncloud rocket river\\n",
+                     "--max-new-tokens", "6"])
+    assert by_fields.returncode == 0 and typed.returncode == 0, by_fields.stderr[-2000:]
+    assert by_fields.stdout == typed.stdout and '"prompt": "Reverse the words.\\ncloud rocket river\\n"' in typed.stdout
+    conv = tmp_path / "conv.json"
+    conv.write_text(json.dumps({"messages": [{"role": "user", "content": "reverse: a b"},
+                                             {"role": "assistant", "content": "b a"},
+                                             {"role": "user", "content": "reverse: c d"}]}))
+    multi = run_cli(["generate", str(run), "--messages", str(conv), "--max-new-tokens", "4"])
+    assert multi.returncode == 0, multi.stderr[-2000:]
+    out = json.loads(multi.stdout.strip().splitlines()[-1])
+    assert out["prompt"][-1] == {"role": "user", "content": "reverse: c d"} and isinstance(out["output"], str)
+    bad = run_cli(["generate", str(run), "--input", "x"])
+    assert bad.returncode == 2 and "--input: give --instruction with it" in bad.stderr
