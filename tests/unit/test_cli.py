@@ -14,7 +14,8 @@ TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
 def test_help_lists_every_verb(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for verb in ("train", "validate", "estimate", "accelerate-config", "data", "merge", "generate", "eval", "slurm"):
+    for verb in ("train", "validate", "estimate", "accelerate-config", "data", "merge", "generate", "chat", "eval",
+                 "slurm"):
         assert verb in out
     assert cli.main([]) == 2  # no arguments: the help, as an error
 
