@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from finetune.commands.generate import add_model_arguments, check_arguments
+
 
 def register(sub) -> None:
     p = sub.add_parser("chat", help="an interactive multi-turn session with the trained adapter",
@@ -18,14 +20,7 @@ def register(sub) -> None:
                                    "user turn per line of stdin; /reset clears the history, /exit or EOF ends.")
     p.add_argument("run_dir", type=Path, help="run dir (recipe.yaml + adapter/), or with --merged a merged model dir")
     p.add_argument("--system", help="a system message at the start of the conversation")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: the recipe's eval.max_new_tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (with --temperature > 0)")
-    p.add_argument("--seed", type=int, default=None, help="seed of the sampler, for repeatable samples")
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")
-    which.add_argument("--merged", action="store_true",
-                       help="the merged model: RUN_DIR/merged (from `finetune merge`) or RUN_DIR itself")
+    add_model_arguments(p)
     p.set_defaults(run=run)
 
 
@@ -50,7 +45,6 @@ def fit(model, tok, system: list, history: list, template: str, max_new_tokens: 
 def run(args) -> int:
     import contextlib
 
-    from finetune.commands.generate import check_arguments
     from finetune.data.encode import chat_template
     from finetune.train.inference import generate, load_run
     from finetune.util.errors import RecipeError

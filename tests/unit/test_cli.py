@@ -124,3 +124,12 @@ def test_generate_prints_non_ascii_prompts_as_typed(capsys, monkeypatch):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert seen == ["café ☕", "a\nb \\n"]
     assert [line["prompt"] for line in lines] == seen
+
+
+def test_chat_checks_its_arguments_before_loading(capsys, tmp_path):
+    """`chat` shares generate's checks: a bad number is exit 2 with the flag named, before any model loads (the
+    run dir here does not even exist)."""
+    for flag, value in (("--temperature", "-1"), ("--top-p", "2"), ("--max-new-tokens", "0"), ("--seed", "-3")):
+        assert cli.main(["chat", str(tmp_path / "no-run"), flag, value]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and "Traceback" not in err
