@@ -16,8 +16,9 @@ import re
 from pathlib import Path
 
 from finetune.data.encode import render_chat
+from finetune.util.errors import RecipeError
 
-ROLES = ("system", "user", "assistant")
+HEADER = "# Ollama Modelfile for "  # what export's Modelfiles start with: the only files it replaces
 PROBE = ("system", "user", "assistant", "user", "assistant", "user")
 # Conversations the translation must reproduce: with and without a system turn, multi-line contents.
 CHECKS = ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
@@ -88,7 +89,7 @@ def translate(tok, template: str) -> str:
 
 
 def modelfile_text(gguf: Path, tok, template: str | None, stops: list[str]) -> str:
-    lines = [f"# Ollama Modelfile for {gguf.name}, written by `finetune export`. To serve it:",
+    lines = [f"{HEADER}{gguf.name}, written by `finetune export`. To serve it:",
              f"#   ollama create NAME -f {gguf.with_suffix('.Modelfile')}",
              "#   ollama run NAME", f"FROM ./{gguf.name}"]
     why = "the run has no chat template" if not template else ""
@@ -117,5 +118,8 @@ def write_modelfile(gguf: Path, run_dir: Path, model_dir: Path) -> Path:
         else tok.chat_template
     stops = tok.convert_ids_to_tokens(stop_ids(tok, template))
     path = gguf.with_suffix(".Modelfile")
+    if path.is_symlink() or (path.exists() and not path.read_text(errors="replace").startswith(HEADER)):
+        raise RecipeError([f"{path}: exists and is not a Modelfile export wrote; the GGUF is written, the Modelfile "
+                           "is not (move that file, or choose another --output)"], "export")
     write_text(path, modelfile_text(gguf, tok, template, stops))
     return path

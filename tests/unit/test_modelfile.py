@@ -67,3 +67,19 @@ def test_untranslatable_templates_say_why(tok, template, why):
     assert not any(line.startswith("TEMPLATE") for line in text.splitlines())
     assert "# No TEMPLATE: " in text and why in text
     assert "FROM ./model-f16.gguf\n" in text and 'PARAMETER stop "<|end|>"\n' in text
+
+
+def test_write_modelfile_never_replaces_a_foreign_file(tmp_path):
+    from finetune.gguf.modelfile import write_modelfile
+    from finetune.util.errors import RecipeError
+
+    model = Path(builtin_dir("builtin:tiny-llama"))
+    mine = tmp_path / "m.Modelfile"
+    mine.write_text("FROM llama3\nSYSTEM my own\n")
+    with pytest.raises(RecipeError, match="is not a Modelfile export wrote"):
+        write_modelfile(tmp_path / "m.gguf", tmp_path, model)
+    assert mine.read_text() == "FROM llama3\nSYSTEM my own\n"
+    mine.unlink()
+    for _ in range(2):  # its own earlier Modelfile is replaced
+        assert write_modelfile(tmp_path / "m.gguf", tmp_path, model) == mine
+    assert mine.read_text().startswith("# Ollama Modelfile for m.gguf") and "FROM ./m.gguf\n" in mine.read_text()
