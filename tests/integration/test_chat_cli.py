@@ -3,17 +3,17 @@ turns, then /exit), and from a script on a pipe (the history bounded by the mode
 answer must equal `generate --messages` on the same conversation, greedy, so chat renders what generate renders."""
 import json
 import os
-import select
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from finetune import cli
 from finetune import recipe as R
+
+from .procs import pty_chat
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,42 +44,8 @@ def _generate(run_dir: Path, messages: list, tmp: Path, capsys, *extra) -> str:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["output"]
 
 
-def _read_until(fd: int, marker: bytes, deadline: float) -> bytes:
-    got = b""
-    while not got.endswith(marker):
-        assert time.monotonic() < deadline, f"no {marker!r} from chat; got {got!r}"
-        if select.select([fd], [], [], 1.0)[0]:
-            try:
-                chunk = os.read(fd, 4096)
-            except OSError:  # the child closed the terminal
-                break
-            if not chunk:
-                break
-            got += chunk
-    return got
-
-
 def test_chat_through_a_terminal_answers_as_generate_does(run_dir, tmp_path, capsys):
-    master, slave = os.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "finetune", "chat", str(run_dir), "--max-new-tokens", "8"],
-                            stdin=slave, stdout=slave, stderr=slave, env=ENV, cwd=ROOT)  # a terminal's all three
-    os.close(slave)
-    deadline = time.monotonic() + 240
-    answers, transcript = [], _read_until(master, b"you> ", deadline).decode()
-    try:
-        for turn in TURNS:
-            os.write(master, turn.encode() + b"\n")
-            seen = _read_until(master, b"you> ", deadline).decode().replace("\r\n", "\n")
-            transcript += seen
-            assert seen.startswith(turn + "\n"), seen  # the terminal echoes the line typed
-            answers.append(seen[len(turn) + 1: -len("you> ")])
-        os.write(master, b"/exit\n")
-        transcript += _read_until(master, b"\n", deadline).decode()
-        code = proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        os.close(master)
+    answers, transcript, code = pty_chat([str(run_dir), "--max-new-tokens", "8"], TURNS, ENV)
     assert code == 0 and "Traceback" not in transcript, transcript
     assert len(answers) == 2
     first = _generate(run_dir, [{"role": "user", "content": TURNS[0]}], tmp_path, capsys)
