@@ -100,6 +100,7 @@ def modelfile_text(gguf: Path, tok, template: str | None, stops: list[str]) -> s
             why = f"the run's chat template cannot be translated to Ollama's Go template: {e}"
     if why:
         lines.insert(3, f"# No TEMPLATE: {why}; write one by hand that renders what training rendered.")
+    # a Modelfile value cannot hold a quote or a line break; no special token of a real tokenizer has one
     lines += [f'PARAMETER stop "{s}"' for s in stops if re.fullmatch(r'[^"\n]+', s)]
     return "\n".join(lines) + "\n"
 
