@@ -83,7 +83,11 @@ def _n_head(hf_name: str, config: dict) -> int | None:
 def check_tensors(converter: Path, gguf_path: Path, sources: dict, config: dict, lora: bool = False) -> dict:
     """Every tensor of `gguf_path` against `sources` (HF name -> tensor, lazily loadable via a mapping);
     returns {"tensors", "checked", "mismatched": [...], "types": {type: count}, "max_abs_diff": {type: x}}."""
+    from finetune.gguf.experts import StackedSources
+
     gguf = gguf_module(converter)
+    if not lora:  # MoE experts as the converter stacks them (gguf/experts.py)
+        sources = StackedSources(sources)
     reader = gguf.GGUFReader(str(gguf_path))
     arch_name = reader.fields["general.architecture"].contents()
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch_name]
@@ -110,7 +114,8 @@ def check_tensors(converter: Path, gguf_path: Path, sources: dict, config: dict,
         result["checked"] += 1
         result["max_abs_diff"][kind] = max(result["max_abs_diff"].get(kind, 0.0), diff)
         if not ok:
-            result["mismatched"].append(f"{t.name} ({hf_name}, {kind}): max abs diff {diff:.3g}")
+            origin = getattr(sources, "parts", {}).get(hf_name, hf_name)
+            result["mismatched"].append(f"{t.name} ({origin}, {kind}): max abs diff {diff:.3g}")
     missing = sorted(set(sources) - set(by_gguf.values()))
     result["mismatched"] += [f"{n}: not in the GGUF" for n in missing]
     return result
