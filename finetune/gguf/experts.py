@@ -6,7 +6,8 @@ a merged checkpoint can have:
 - per expert, the hub's layout (`mlp.experts.3.gate_proj.weight`, Mixtral's `block_sparse_moe.experts.3.w1.weight`):
   it collects a layer's experts and `torch.stack`s them in expert order under `<...>.experts.<proj>.weight`;
 - fused 3-D, transformers 5's layout (`mlp.experts.gate_up_proj` [E, 2i, h], `mlp.experts.down_proj` [E, h, i]):
-  down_proj passes as is; gate_up_proj is split at half its rows into `gate_proj` (first half) and `up_proj`.
+  down_proj passes as `<...>.experts.down_proj.weight`; gate_up_proj is split at half its rows into
+  `<...>.experts.gate_proj.weight` (first half) and `<...>.experts.up_proj.weight` (Qwen3-MoE's converter).
 `stacked_sources` presents the sources the same way, so gguf-py's own TensorNameMap (which knows those stacked
 names, e.g. `model.layers.{bid}.mlp.experts.gate_proj` and `model.layers.{bid}.block_sparse_moe.experts.w1`)
 maps them, and every stacked GGUF tensor is compared with the merged weights it came from. Stacks are built
@@ -38,9 +39,12 @@ class StackedSources(Mapping):
                 groups.setdefault((m["stem"], m["proj"]), {})[int(m["expert"])] = name
             elif name.endswith(_FUSED_GATE_UP) and sources[name].dim() == 3:
                 stem = name[: -len("gate_up_proj")]
-                self._build[f"{stem}gate_proj"] = ("half", name, 0)
-                self._build[f"{stem}up_proj"] = ("half", name, 1)
-                self.parts[f"{stem}gate_proj"] = self.parts[f"{stem}up_proj"] = name
+                for half, proj in enumerate(("gate_proj", "up_proj")):
+                    self._build[f"{stem}{proj}.weight"] = ("half", name, half)
+                    self.parts[f"{stem}{proj}.weight"] = name
+            elif ".experts." in name and not name.endswith(".weight") and sources[name].dim() == 3:
+                self._build[f"{name}.weight"] = ("same", name)  # the converter's name for a fused down_proj
+                self.parts[f"{name}.weight"] = name
             else:
                 self._build[name] = ("same", name)
         for (stem, proj), by_expert in groups.items():
