@@ -98,3 +98,22 @@ def test_readback_fails_when_two_experts_are_swapped(exported):
     res = check_tensors(converter.converter_dir(), run_dir / "gguf" / "model-f32.gguf", weights, config)
     assert len(res["mismatched"]) == 1 and "blk.0.ffn_down_exps.weight" in res["mismatched"][0], res["mismatched"]
     assert f"{EXPERTS} experts" in res["mismatched"][0]
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+def test_fused_experts_of_a_transformers_5_checkpoint_read_back(outtype, tmp_path, capsys):
+    """A merged model whose experts are fused 3-D (what transformers 5 saves: experts.gate_up_proj [E, 2i, h],
+    experts.down_proj [E, h, i]; the synthetic Qwen3-MoE as built): the converter splits gate_up_proj at half
+    its rows, and the read-back compares both halves and down_proj within the type's tolerance."""
+    from finetune.weights.synthetic import synthetic_dir
+
+    from .moe4bit import BASES, SMALL
+
+    base, extra = BASES["qwen3moe"]
+    model = synthetic_dir(f"synthetic:{base}{SMALL}{extra}")
+    assert any(k.endswith("experts.gate_up_proj") for k in _per_expert(model))  # fused, not per expert
+    out = tmp_path / f"m-{outtype}.gguf"
+    assert cli.main(["export", str(tmp_path / "none"), "--merged", str(model), "--output", str(out),
+                     "--outtype", outtype, "--greedy-prompts", "0"]) == 0, capsys.readouterr().err
+    t = json.loads(out.with_name(out.name + ".json").read_text())["tensors"]
+    assert t["mismatched"] == [] and t["checked"] == t["tensors"] == 27, t  # 2 layers x (9 + router + 3 stacked experts) + 3
