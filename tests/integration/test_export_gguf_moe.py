@@ -4,7 +4,8 @@ synthetic Qwen3-MoE and Mixtral in the hub's per-expert layout (2 layers, 16 exp
 layer's experts into blk.N.ffn_{gate,up,down}_exps; the export's read-back must map those back to the merged
 per-expert weights (gguf/experts.py) and pass, each stacked GGUF tensor must equal the merged experts stacked
 in expert order, and the merge must have moved the experts (so the equality is with the adapted weights). A
-read-back of merged weights with two experts swapped must fail: the check compares experts, not just names.
+read-back of merged weights with two experts swapped must fail: the check compares experts, not just names. A
+fused 3-D checkpoint (transformers 5) reads back too; `--adapter-only` of expert adapters is refused (exit 2).
 """
 from __future__ import annotations
 
@@ -117,3 +118,12 @@ def test_fused_experts_of_a_transformers_5_checkpoint_read_back(outtype, tmp_pat
                      "--outtype", outtype, "--greedy-prompts", "0"]) == 0, capsys.readouterr().err
     t = json.loads(out.with_name(out.name + ".json").read_text())["tensors"]
     assert t["mismatched"] == [] and t["checked"] == t["tensors"] == 27, t  # 2 layers x (9 + router + 3 stacked experts) + 3
+
+
+def test_adapter_only_export_of_expert_adapters_is_refused_in_one_line(exported, capsys):
+    """llama.cpp's LoRA converter stops on peft's expert adapters ('Unprocessed experts'); export says so first."""
+    run_dir = exported[2]
+    assert cli.main(["export", str(run_dir), "--adapter-only", "--outtype", "f32"]) == 2
+    err = capsys.readouterr().err
+    assert "--adapter-only" in err and "MoE experts" in err and "Traceback" not in err
+    assert not (run_dir / "gguf" / "adapter-f32.gguf").exists()
