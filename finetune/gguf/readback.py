@@ -3,6 +3,8 @@ every tensor with the weights it was converted from.
 
 - Names: the reader's names are llama.cpp's (`blk.0.attn_q.weight`); gguf-py's own TensorNameMap maps each
   Hugging Face name to it, so the check uses the converter's mapping, not one of ours.
+- MoE experts: the converter stacks each layer's per-expert weights into one tensor per projection; the
+  check compares it with the merged experts stacked the same way (gguf/experts.py).
 - llama.cpp's llama architecture stores q_proj and k_proj with the rotary halves interleaved per head (the
   converter's `LlamaModel.permute`); the check undoes that permutation on the GGUF tensor before comparing.
   For a LoRA GGUF only lora_b carries the output rows, so only lora_b is permuted back.
