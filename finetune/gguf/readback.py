@@ -4,7 +4,7 @@ every tensor with the weights it was converted from.
 - Names: the reader's names are llama.cpp's (`blk.0.attn_q.weight`); gguf-py's own TensorNameMap maps each
   Hugging Face name to it, so the check uses the converter's mapping, not one of ours.
 - MoE experts: the converter stacks each layer's per-expert weights into one tensor per projection; the
-  check compares it with the merged experts stacked the same way (gguf/experts.py).
+  check compares it with the merged experts stacked the same way (gguf/stacked_experts.py).
 - llama.cpp's llama architecture stores q_proj and k_proj with the rotary halves interleaved per head (the
   converter's `LlamaModel.permute`); the check undoes that permutation on the GGUF tensor before comparing.
   For a LoRA GGUF only lora_b carries the output rows, so only lora_b is permuted back.
@@ -85,10 +85,10 @@ def _n_head(hf_name: str, config: dict) -> int | None:
 def check_tensors(converter: Path, gguf_path: Path, sources: dict, config: dict, lora: bool = False) -> dict:
     """Every tensor of `gguf_path` against `sources` (HF name -> tensor, lazily loadable via a mapping);
     returns {"tensors", "checked", "mismatched": [...], "types": {type: count}, "max_abs_diff": {type: x}}."""
-    from finetune.gguf.experts import StackedSources
+    from finetune.gguf.stacked_experts import StackedSources
 
     gguf = gguf_module(converter)
-    if not lora:  # MoE experts as the converter stacks them (gguf/experts.py)
+    if not lora:  # MoE experts as the converter stacks them (gguf/stacked_experts.py)
         sources = StackedSources(sources)
     reader = gguf.GGUFReader(str(gguf_path))
     arch_name = reader.fields["general.architecture"].contents()

@@ -1,9 +1,9 @@
 """`finetune export --format gguf` of an MoE run (only where scripts/setup.sh fetched llama.cpp's converter):
 synthetic Qwen3-MoE and Mixtral in the hub's per-expert layout (2 layers, 16 experts; moe4bit.py), trained
 2 steps with every expert adapted, then exported (which merges first). llama.cpp's converter stacks each
-layer's experts into blk.N.ffn_{gate,up,down}_exps; the export's read-back must map those back to the merged
-per-expert weights (gguf/experts.py) and pass, each stacked GGUF tensor must equal the merged experts stacked
-in expert order, and the merge must have moved the experts (so the equality is with the adapted weights). A
+layer's experts into blk.N.ffn_{gate,up,down}_exps; the export's read-back must map those back to the
+merged per-expert weights (gguf/stacked_experts.py) and pass, each stacked GGUF tensor must equal the merged
+experts stacked in expert order, and the merge must have moved the experts (so the equality is with the adapted weights). A
 read-back of merged weights with two experts swapped must fail: the check compares experts, not just names. A
 fused 3-D checkpoint (transformers 5) reads back too; `--adapter-only` of expert adapters is refused (exit 2).
 """
