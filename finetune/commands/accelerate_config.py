@@ -2,15 +2,15 @@
 a recipe, so the recipe and the launcher never drift."""
 from __future__ import annotations
 
-from finetune.commands.common import add_recipe_arguments
+from finetune.commands.common import GPUS_MAX, add_recipe_arguments, count
 
 
 def register(sub) -> None:
     p = sub.add_parser("accelerate-config", help="the launcher YAML for this recipe",
                        description="Write the Accelerate launcher YAML that matches a recipe.")
     add_recipe_arguments(p)
-    p.add_argument("--gpus", type=int, help="total processes (default: distributed.num_processes)")
-    p.add_argument("--machines", type=int, help="machines (default: distributed.num_machines)")
+    p.add_argument("--gpus", type=count(1, GPUS_MAX), help="total processes (default: distributed.num_processes)")
+    p.add_argument("--machines", type=count(1, GPUS_MAX), help="machines (default: distributed.num_machines)")
     p.add_argument("--cpu", action="store_true", help="for a machine without GPUs (use_cpu: true)")
     p.add_argument("--output", "-o", help="write here instead of stdout")
     p.set_defaults(run=run)

@@ -6,6 +6,26 @@ import argparse
 from finetune.util.errors import RecipeError
 
 
+def count(lo: int, hi: int):
+    """An argparse type: a whole number in [lo, hi]. Out of range is argparse's own error (exit 2, the flag
+    named), before anything loads: a count far past any real machine is a typo, not a plan to make."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if not lo <= n <= hi:
+            raise argparse.ArgumentTypeError(f"must be {lo} to {hi:,}, got {n:,}")
+        return n
+
+    return parse
+
+
+GPUS_MAX = 1_000_000  # more than any cluster built so far
+SEQ_MAX = 10_000_000  # past every model's context
+
+
 def add_recipe_arguments(p: argparse.ArgumentParser, optional: bool = False) -> None:
     p.add_argument("recipe", nargs="?" if optional else None, help="recipe YAML")
     p.add_argument("overrides", nargs="*", metavar="key=value",

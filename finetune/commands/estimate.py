@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from finetune.commands.common import add_recipe_arguments
+from finetune.commands.common import GPUS_MAX, SEQ_MAX, add_recipe_arguments, count
 
 
 def register(sub) -> None:
@@ -14,12 +14,12 @@ def register(sub) -> None:
                                    "or the built-in table.")
     add_recipe_arguments(p, optional=True)
     p.add_argument("--model", help="hub id, local directory or builtin:tiny-llama")
-    p.add_argument("--gpus", type=int, help="GPUs (processes) in total, over all machines")
-    p.add_argument("--machines", type=int)
+    p.add_argument("--gpus", type=count(1, GPUS_MAX), help="GPUs (processes) in total, over all machines")
+    p.add_argument("--machines", type=count(1, GPUS_MAX))
     p.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GiB; enables the fit check")
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--micro-batch", type=int)
-    p.add_argument("--lora-r", type=int)
+    p.add_argument("--seq-len", type=count(1, SEQ_MAX))
+    p.add_argument("--micro-batch", type=count(1, SEQ_MAX))
+    p.add_argument("--lora-r", type=count(1, 65536))
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--device", choices=["cuda", "cpu"], help="plan a GPU (default) or a CPU run")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from finetune.commands.common import GPUS_MAX, count
 from finetune.util.errors import RecipeError
 
 MEASURE_CAP = 32768  # tokens: examples are measured up to this length (longer ones count as this long)
@@ -18,7 +19,7 @@ def register(sub) -> None:
                                    "commented recipe that validates.")
     p.add_argument("--model", required=True, help="hub id (in the local cache), local directory or builtin:tiny-llama")
     p.add_argument("--data", required=True, help="data file or folder (jsonl, json, csv, parquet, save_to_disk)")
-    p.add_argument("--gpus", type=int, help="plan a GPU run on N GPUs (default: a CPU run unless --gpu-memory)")
+    p.add_argument("--gpus", type=count(1, GPUS_MAX), help="plan a GPU run on N GPUs (default: a CPU run unless --gpu-memory)")
     p.add_argument("--gpu-memory", help="memory of one GPU, e.g. 24GiB (default 24GiB for a GPU run)")
     p.add_argument("-o", "--output", type=Path, help="recipe to write (default: DATA's name with .yaml, here)")
     p.add_argument("--run-dir", help="the recipe's output.dir (default runs/<recipe name>)")

@@ -2,7 +2,7 @@
 SLURM job, read from SLURM's environment (scripts/slurm/finetune.sbatch runs it once per node)."""
 from __future__ import annotations
 
-from finetune.commands.common import add_recipe_arguments
+from finetune.commands.common import add_recipe_arguments, count
 
 
 def register(sub) -> None:
@@ -10,7 +10,7 @@ def register(sub) -> None:
                        description="Build the `accelerate launch` command for one node of a SLURM job.")
     add_recipe_arguments(p)
     p.add_argument("--config-file", help="Accelerate launcher YAML (its machine/process fields are overridden)")
-    p.add_argument("--gpus-per-node", type=int, help="default: SLURM_GPUS_ON_NODE")
+    p.add_argument("--gpus-per-node", type=count(1, 1024), help="default: SLURM_GPUS_ON_NODE")
     p.add_argument("--exec", action="store_true", help="replace this process with the launch command")
     p.set_defaults(run=run)
 

@@ -3,6 +3,8 @@ every tensor with the weights it was converted from.
 
 - Names: the reader's names are llama.cpp's (`blk.0.attn_q.weight`); gguf-py's own TensorNameMap maps each
   Hugging Face name to it, so the check uses the converter's mapping, not one of ours.
+- MoE experts: the converter stacks each layer's per-expert weights into one tensor per projection; the
+  check compares it with the merged experts stacked the same way (gguf/stacked_experts.py).
 - llama.cpp's llama architecture stores q_proj and k_proj with the rotary halves interleaved per head (the
   converter's `LlamaModel.permute`); the check undoes that permutation on the GGUF tensor before comparing.
   For a LoRA GGUF only lora_b carries the output rows, so only lora_b is permuted back.
@@ -83,7 +85,11 @@ def _n_head(hf_name: str, config: dict) -> int | None:
 def check_tensors(converter: Path, gguf_path: Path, sources: dict, config: dict, lora: bool = False) -> dict:
     """Every tensor of `gguf_path` against `sources` (HF name -> tensor, lazily loadable via a mapping);
     returns {"tensors", "checked", "mismatched": [...], "types": {type: count}, "max_abs_diff": {type: x}}."""
+    from finetune.gguf.stacked_experts import StackedSources
+
     gguf = gguf_module(converter)
+    if not lora:  # MoE experts as the converter stacks them (gguf/stacked_experts.py)
+        sources = StackedSources(sources)
     reader = gguf.GGUFReader(str(gguf_path))
     arch_name = reader.fields["general.architecture"].contents()
     arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch_name]
@@ -110,7 +116,8 @@ def check_tensors(converter: Path, gguf_path: Path, sources: dict, config: dict,
         result["checked"] += 1
         result["max_abs_diff"][kind] = max(result["max_abs_diff"].get(kind, 0.0), diff)
         if not ok:
-            result["mismatched"].append(f"{t.name} ({hf_name}, {kind}): max abs diff {diff:.3g}")
+            origin = getattr(sources, "parts", {}).get(hf_name, hf_name)
+            result["mismatched"].append(f"{t.name} ({origin}, {kind}): max abs diff {diff:.3g}")
     missing = sorted(set(sources) - set(by_gguf.values()))
     result["mismatched"] += [f"{n}: not in the GGUF" for n in missing]
     return result

@@ -72,6 +72,7 @@ def _convert(run_dir: Path, outtype: str, adapter_only: bool, merged: str | None
         from finetune.merge.source import resolve_source
 
         src = resolve_source(run_dir)
+        _refuse_expert_adapters(src.adapter_dir)
         args = [str(src.adapter_dir), "--base", str(src.base_dir), "--outfile", str(tmp), "--outtype", outtype]
         proc = converter.run_converter("convert_lora_to_gguf.py", args, PRE_TOKENIZERS)
         if proc.returncode != 0:
@@ -84,6 +85,16 @@ def _convert(run_dir: Path, outtype: str, adapter_only: bool, merged: str | None
     if proc.returncode != 0:
         raise _converter_failed(proc, "convert_hf_to_gguf.py")
     return _weights(model_dir), json.loads((model_dir / "config.json").read_text()), model_dir
+
+
+def _refuse_expert_adapters(adapter_dir: Path) -> None:
+    """llama.cpp's convert_lora_to_gguf.py knows LoRA on linear layers only: peft's adapters on fused expert
+    parameters (lora.target_parameters) end in its 'Unprocessed experts' error. Say so up front (exit 2)."""
+    targets = json.loads((adapter_dir / "adapter_config.json").read_text()).get("target_parameters")
+    if targets:
+        raise RecipeError([f"--adapter-only: {adapter_dir} adapts MoE experts ({', '.join(targets)}), which "
+                           "llama.cpp's LoRA converter cannot write; export the merged model (without "
+                           "--adapter-only), which holds the expert adapters folded in"], "export")
 
 
 def default_output(run_dir: Path, outtype: str, adapter_only: bool) -> Path:

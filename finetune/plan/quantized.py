@@ -34,6 +34,8 @@ def expert_weight_bytes(arch: Arch, s) -> tuple[int, int]:
     quantization one second-level table) per layer's experts module. Otherwise the fused 3-D parameters
     in the model dtype."""
     params = arch.expert_params()
+    if not params:  # a dense model: no experts module, no code tables for one
+        return 0, 0
     if not experts_4bit(s):
         return sum(x.d_in * x.d_out * x.count for x in params) * arch.layers * DTYPE_BYTES[s.model_dtype], 0
     packed = sum(packed_4bit_bytes(x.d_in * x.d_out, s.quant_storage) * x.count for x in params)

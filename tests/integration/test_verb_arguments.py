@@ -48,3 +48,19 @@ def test_eval_caps_a_large_held_out_set_and_says_so(tiny_run, tmp_path):
     assert json.loads(p.stdout.strip().splitlines()[-1])["eval_rows"] == 40
     p = run_cli(["eval", str(run), "--max-rows", "-1"], timeout=300)
     assert p.returncode == 2 and "--max-rows must be >= 0" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["estimate", "recipes/tiny_cpu.yaml", "--gpus", str(10 ** 11)], "argument --gpus: must be 1 to 1,000,000"),
+    (["estimate", "recipes/tiny_cpu.yaml", "--gpus", "0"], "argument --gpus: must be 1 to 1,000,000"),
+    (["estimate", "recipes/tiny_cpu.yaml", "--micro-batch", "-3"], "argument --micro-batch: must be 1 to"),
+    (["estimate", "recipes/tiny_cpu.yaml", "--seq-len", "2k"], "argument --seq-len: expected a whole number"),
+    (["accelerate-config", "recipes/tiny_cpu.yaml", "--gpus", str(10 ** 13)], "argument --gpus: must be 1 to"),
+    (["accelerate-config", "recipes/tiny_cpu.yaml", "--machines", "0"], "argument --machines: must be 1 to"),
+    (["slurm", "recipes/tiny_cpu.yaml", "--gpus-per-node", "0"], "argument --gpus-per-node: must be 1 to 1,024"),
+], ids=["estimate-gpus-1e11", "estimate-gpus-0", "estimate-mb-neg", "estimate-seq-text", "accel-gpus-1e13",
+        "accel-machines-0", "slurm-gpn-0"])
+def test_counts_of_the_planning_verbs_are_range_checked(args, needle):
+    """A GPU count past any cluster (or below one) is a typo: argparse's own error, exit 2, before any plan."""
+    p = run_cli(args, timeout=120)
+    assert p.returncode == 2 and needle in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

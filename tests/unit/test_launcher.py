@@ -48,8 +48,18 @@ def test_shipped_config_loads_and_agrees_with_its_recipe(name, monkeypatch):
     # against the launch parser's own flags, so a misspelt key cannot silently do nothing.
     known = {a.dest for a in launch_command_parser()._actions}
     assert set(cfg.fsdp_config) <= known
-    env = launched_env(["--config_file", str(path), "train.py"])
+    # A free port for the first machine: accelerate refuses a main_process_port another process holds (the
+    # multi-node config's 29500, which a distributed test running beside this one may be using).
+    env = launched_env(["--config_file", str(path), "--main_process_port", str(free_port()), "train.py"])
     assert launcher.launcher_problems(r, env) == []
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("name", sorted(launcher.SHIPPED))
