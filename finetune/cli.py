@@ -12,12 +12,13 @@ import difflib
 import os
 import sys
 
-from finetune.commands import (accelerate_config, data, estimate, evaluate, export, generate, init, merge, quantize,
-                               slurm, train, validate)
+from finetune.commands import (accelerate_config, chat, data, estimate, evaluate, export, generate, init, merge,
+                               quantize, slurm, train, validate)
 from finetune.util import redact
 from finetune.util.errors import RecipeError, exit_code
 
-COMMANDS = (train, init, validate, estimate, accelerate_config, data, merge, export, generate, evaluate, slurm, quantize)
+COMMANDS = (train, init, validate, estimate, accelerate_config, data, merge, export, generate, chat, evaluate, slurm,
+            quantize)
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

@@ -39,4 +39,6 @@ def run(args) -> int:
           f"({', '.join(f'{k} {v}' for k, v in sorted(t['types'].items()))}; max abs diff "
           f"{json.dumps(t['max_abs_diff'], sort_keys=True)}); greedy check: "
           f"{res['greedy'].get('summary') or res['greedy']['status']}")
+    if res.get("modelfile"):
+        print(f"wrote {res['modelfile']}: for Ollama, `ollama create NAME -f {res['modelfile']}`")
     return 0

@@ -36,6 +36,12 @@ def register(sub) -> None:
                    help="render each prompt as a user turn with the chat template (default: when the recipe's "
                         "training data are chats)")
     p.add_argument("--system", help="a system message before each chat prompt")
+    add_model_arguments(p)
+    p.set_defaults(run=run)
+
+
+def add_model_arguments(p) -> None:
+    """What generates and from which model: shared by `generate` and `chat`, checked by `check_arguments`."""
     p.add_argument("--max-new-tokens", type=int, default=None, help="default: the recipe's eval.max_new_tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy; > 0: sample")
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (with --temperature > 0)")
@@ -44,7 +50,6 @@ def register(sub) -> None:
     which.add_argument("--no-adapter", action="store_true", help="the base model alone, for comparison")
     which.add_argument("--merged", action="store_true",
                        help="the merged model: RUN_DIR/merged (from `finetune merge`) or RUN_DIR itself")
-    p.set_defaults(run=run)
 
 
 def check_arguments(args) -> None:

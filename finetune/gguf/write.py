@@ -7,7 +7,8 @@ llama.cpp and Ollama, written by llama.cpp's own converter (gguf/converter.py) a
 3. Every tensor is read back with gguf-py's reader and compared with its source (gguf/readback.py).
 4. Where llama-cpp-python is importable, greedy generations of llama.cpp on the run's held-out prompts must
    equal transformers' (gguf/greedy.py); otherwise the result says it was skipped and why.
-Only then is the file renamed into place, with a JSON report beside it.
+Only then is the file renamed into place, with a JSON report beside it and, for the merged model, an Ollama
+Modelfile (gguf/modelfile.py).
 """
 from __future__ import annotations
 
@@ -145,6 +146,10 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
         apply_umask(tmp)  # mkstemp makes 0600
         os.replace(tmp, out)
     out.with_name(out.name + ".json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    if not adapter_only:  # Ollama serves the merged GGUF; an adapter GGUF needs a base GGUF this export lacks
+        from finetune.gguf.modelfile import write_modelfile
+
+        report["modelfile"] = str(write_modelfile(out, run_dir, converted))
     return {"output": str(out), **report}
 
 

@@ -130,3 +130,48 @@ def rank_processes(launcher_pid: int) -> dict:
 
 def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _read_until(fd: int, marker: bytes, deadline: float) -> bytes:
+    import select
+
+    got = b""
+    while not got.endswith(marker):
+        assert time.monotonic() < deadline, f"no {marker!r} from the command; got {got!r}"
+        if select.select([fd], [], [], 1.0)[0]:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            got += chunk
+    return got
+
+
+def pty_chat(args: list[str], turns: list[str], env: dict, timeout: float = 240) -> tuple[list[str], str, int]:
+    """`python -m finetune chat ARGS` on a pseudo-terminal (stdin, stdout and stderr, as a terminal gives them):
+    types each of `turns` at its `you> ` prompt, then /exit. Returns (each turn's answer as shown, with its line
+    end; the whole transcript; the exit code)."""
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "finetune", "chat", *args], stdin=slave, stdout=slave,
+                            stderr=slave, env=env, cwd=ROOT)
+    os.close(slave)
+    deadline = time.monotonic() + timeout
+    answers, transcript = [], _read_until(master, b"you> ", deadline).decode()
+    try:
+        for turn in turns:
+            os.write(master, turn.encode() + b"\n")
+            seen = _read_until(master, b"you> ", deadline).decode().replace("\r\n", "\n")
+            transcript += seen
+            assert seen.startswith(turn + "\n"), seen  # the terminal echoes the line typed
+            answers.append(seen[len(turn) + 1: -len("you> ")])
+        os.write(master, b"/exit\n")
+        transcript += _read_until(master, b"\n", deadline).decode()
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    return answers, transcript, code

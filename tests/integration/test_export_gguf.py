@@ -100,6 +100,25 @@ def test_export_gguf_tensors_equal_the_merged_weights(run, merged, outtype, caps
     fields = _gguf_fields(out)
     assert fields["tokenizer.ggml.pre"] == "gpt-2"  # registered for the builtin (gguf/write.py)
     assert fields["tokenizer.ggml.add_bos_token"] is False  # as training saw the prompts
+    _check_modelfile(out, merged)
+
+
+def _check_modelfile(gguf: Path, merged: Path):
+    """The Ollama Modelfile beside the GGUF: FROM it, the stop token, and a TEMPLATE that renders a two-turn chat
+    exactly as the run's Jinja template does (through tests/gotemplate.py, a Go-template-subset renderer)."""
+    import re
+
+    from finetune.data.encode import render_chat
+    from tests.gotemplate import render
+
+    text = gguf.with_suffix(".Modelfile").read_text()
+    assert f"\nFROM ./{gguf.name}\n" in text and f"ollama create NAME -f {gguf.with_suffix('.Modelfile')}" in text
+    assert re.findall(r"^PARAMETER stop (.*)$", text, re.M) == ['"<|end|>"']  # the builtin's eos ends its turns
+    template = re.search(r'^TEMPLATE """(.*?)"""$', text, re.M | re.S)[1]
+    tok = AutoTokenizer.from_pretrained(merged)
+    chat = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "reverse the words: a b"},
+            {"role": "assistant", "content": "b a"}, {"role": "user", "content": "and: x y z"}]
+    assert render(template, chat) == render_chat(tok, chat, tok.chat_template, gen=True)
 
 
 @needs_converter
@@ -118,6 +137,7 @@ def test_builtin_tokenizer_hash_is_the_registered_one(merged):
 @needs_converter
 def test_export_adapter_only_equals_the_adapter(run):
     assert cli.main(["export", str(run), "--adapter-only", "--outtype", "f32"]) == 0
+    assert not (run / "gguf" / "adapter-f32.Modelfile").exists()  # Ollama needs a base GGUF this export lacks
     report = json.loads((run / "gguf" / "adapter-f32.gguf.json").read_text())
     t = report["tensors"]
     assert t["mismatched"] == [] and t["checked"] == t["tensors"] == 4 * 7 * 2  # layers x modules x (A, B)

@@ -1,14 +1,19 @@
-"""A new user's path with their own files (issue 37, must-show 1, without `chat` and GGUF export, not built
-yet): a 200-row chat JSONL with tool calls, a 200-row alpaca JSON and a CSV, each through `init`, `data --show`,
-training, `eval` on the user's own held-out rows (predictions written); then `generate` and `merge`. Every
+"""A new user's path with their own files (issue 37, must-show 1): a 200-row chat JSONL with tool calls, a 200-row
+alpaca JSON and a CSV, each through `init`, `data --show`, training, `eval` on the user's own held-out rows
+(predictions written); then `generate`, `chat` through a terminal, `merge` and a GGUF export with its Ollama
+Modelfile (where llama.cpp's converter is fetched). Every
 command ends with exit 0 and no traceback; the tool-call rows the tiny model's template cannot render are
 named with the reason, and skipped by the setting `init` names."""
 import csv
 import json
+import os
 
 import pytest
 
+from finetune.gguf import converter
+
 from ..conftest import run_cli
+from .procs import pty_chat
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +70,10 @@ def test_own_files_from_init_to_a_merged_model(tmp_path):
          "alpha bravo charlie", "--max-new-tokens", "4"])
     _ok(["merge", str(tmp_path / "runs" / "pairs")])
     assert (tmp_path / "runs" / "pairs" / "merged" / "config.json").exists()
+    answers, transcript, code = pty_chat([str(tmp_path / "runs" / "chat"), "--max-new-tokens", "6"],
+                                         ["reverse: alpha bravo charlie", "and: delta echo"], dict(os.environ))
+    assert code == 0 and len(answers) == 2 and "Traceback" not in transcript, transcript
+    if (converter.converter_dir() / "convert_hf_to_gguf.py").is_file():
+        _ok(["export", str(tmp_path / "runs" / "pairs"), "--outtype", "f32", "--greedy-prompts", "0"])
+        modelfile = (tmp_path / "runs" / "pairs" / "gguf" / "model-f32.Modelfile").read_text()
+        assert "FROM ./model-f32.gguf" in modelfile and 'TEMPLATE """' in modelfile

@@ -14,7 +14,8 @@ TINY = str(ROOT / "recipes" / "tiny_cpu.yaml")
 def test_help_lists_every_verb(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
-    for verb in ("train", "validate", "estimate", "accelerate-config", "data", "merge", "generate", "eval", "slurm"):
+    for verb in ("train", "validate", "estimate", "accelerate-config", "data", "merge", "generate", "chat", "eval",
+                 "slurm"):
         assert verb in out
     assert cli.main([]) == 2  # no arguments: the help, as an error
 
@@ -123,3 +124,12 @@ def test_generate_prints_non_ascii_prompts_as_typed(capsys, monkeypatch):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert seen == ["café ☕", "a\nb \\n"]
     assert [line["prompt"] for line in lines] == seen
+
+
+def test_chat_checks_its_arguments_before_loading(capsys, tmp_path):
+    """`chat` shares generate's checks: a bad number is exit 2 with the flag named, before any model loads (the
+    run dir here does not even exist)."""
+    for flag, value in (("--temperature", "-1"), ("--top-p", "2"), ("--max-new-tokens", "0"), ("--seed", "-3")):
+        assert cli.main(["chat", str(tmp_path / "no-run"), flag, value]) == 2
+        err = capsys.readouterr().err
+        assert flag in err and "Traceback" not in err
