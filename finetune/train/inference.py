@@ -190,13 +190,17 @@ def exact_match(model, tok, rows: list[dict], n: int, max_new_tokens: int, templ
 
 
 def heldout_loss(model, examples, recipe) -> float:
-    from finetune.train.loss import loss_totals
-
     from tqdm.auto import tqdm
+
+    from finetune.train.loss import loss_totals
+    from finetune.util.log import is_main
 
     device = model_device(model)
     batches = batching.batches(examples, recipe.train.micro_batch_size, 0, False, recipe.data.max_seq_len)
-    batches = tqdm(batches, desc="held-out loss", leave=False, disable=len(batches) < 8)  # progress on large sets
+    # Progress on large sets, on the main process's terminal only (None: tqdm's own "not a terminal" check),
+    # so logs and captured output hold no bar frames.
+    quiet = len(batches) < 8 or not is_main()
+    batches = tqdm(batches, desc="held-out loss", leave=False, disable=True if quiet else None)
     total, count = loss_totals(model, batches, device.type, recipe.train, recipe.eval.max_batches, device=device)
     return total / max(count, 1)
 
