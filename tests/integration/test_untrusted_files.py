@@ -58,7 +58,7 @@ def test_a_hand_edited_manifest_is_set_aside(run, edit):
     _rewrite_manifest(run / "checkpoints" / "step-3", edit)
     p = run_cli([str(run / "recipe.yaml"), f"output.dir={run}", "train.max_steps=4"])
     _one_line_error(p, 0, "corrupt-step-3")
-    assert "step-2 (step 2)" in p.stdout and "done: {'step': 4" in p.stdout, p.stdout
+    assert "step-2 (step 2)" in p.stdout and "finished: 4 steps" in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("size", [0, 5000], ids=["empty", "truncated"])
