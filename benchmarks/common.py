@@ -23,6 +23,8 @@ PRELOAD = ["benchmarks._preload"]
 def child_env(threads: int | None = None) -> dict:
     """Environment for exec'd children: this checkout first on the path, quiet libraries."""
     env = {**os.environ, "TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
+    # Benchmarks train models that are large for a CPU on purpose (the preflight would refuse them).
+    env["FINETUNE_ALLOW_CPU"] = "1"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
