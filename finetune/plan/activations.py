@@ -15,6 +15,8 @@ from finetune.plan.logits import chunked_loss_bytes, full_logits_bytes, transfor
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
 MP_BYTES = {"bf16": 2, "fp16": 2, "no": 4}
 LEAN_TYPES = {"llama", "mistral", "qwen2"}  # model types whose norms and MLPs finetune.train.lean replaces
+# Qwen3's q/k norms (Llama-style RMSNorm per head; Gemma 3's differ and are not planned here)
+QK_RMSNORM = {"qwen3", "qwen3_moe"}
 PREFETCHED_LAYERS = 2  # activation offloading: the layer input being used and the one copied in ahead
 
 
@@ -83,11 +85,16 @@ def experts_saved_bytes(arch: Arch, s, t: int) -> int:
     cb, mb = MP_BYTES[s.mixed_precision], DTYPE_BYTES[s.model_dtype]
     adapted = {x.name for x in targeted_experts(arch, s)}
     if s.quant in ("nf4", "fp4"):
-        # 4-bit experts (weights/experts4bit.py): the frozen matmul keeps nothing (it dequantizes again in
-        # backward); an adapted one keeps its routed input to A and B's input, and peft's factors cast
-        # to the model dtype once per step (A and B of all experts)
-        return sum(t * arch.experts_per_tok * (x.d_in + s.lora_r) * cb + s.lora_r * x.count * (x.d_in + x.d_out) * mb
-                   for x in arch.expert_params() if x.name in adapted)
+        # 4-bit experts (weights/experts4bit.py), per routed token: its (token, slot) index pair (int64), the
+        # down projection's output and routing weight (the weighting multiply keeps both), and the weighted
+        # output cast to the residual stream's dtype (index_add_ keeps its source). The frozen matmul keeps
+        # nothing (it dequantizes again in backward); an adapted one keeps its routed input to A and B's
+        # input, and each expert's slice of A and B cast to the compute dtype. Measured on the synthetic
+        # Qwen3-MoE and Mixtral (tests/integration/test_moe_4bit.py).
+        routed = t * arch.experts_per_tok
+        total = routed * (16 + arch.hidden * cb + cb + arch.hidden * mb)
+        return total + sum(routed * (x.d_in + s.lora_r) * cb + s.lora_r * x.count * (x.d_in + x.d_out) * cb
+                           for x in arch.expert_params() if x.name in adapted)
     total = 0
     for x in arch.expert_params():
         total += t * arch.experts_per_tok * x.d_in * cb
@@ -117,6 +124,9 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
         total = (arch.norms_per_layer - (1 if s.checkpointing else 0)) * t * h * DTYPE_BYTES[s.model_dtype]
     else:
         total = arch.norms_per_layer * (t * h * 4 + t * 4)  # RMSNorm upcasts to fp32 and keeps it + rsqrt
+    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    if arch.model_type in QK_RMSNORM:  # per-head RMSNorm on q and k: their fp32 input and rsqrt
+        total += t * (q + kv) * 4 + t * (arch.heads + arch.kv_heads) * 4
     names = {x.name for x in targeted(arch, s.lora_targets)}
     for x in arch.linears():
         if x.name in names:
@@ -124,7 +134,6 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
             total += lora_linear_saved(n_tok, x.d_in, x.d_out, s.lora_r, s) * x.count
     total -= shared_lora_inputs(arch, s, t, names)
     total += experts_saved_bytes(arch, s, t)
-    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
     if s.attn == "sdpa" and uses_cpu_math_kernel(s.device, s.mixed_precision, s.seq_len):
         # SDPA's math kernel (finetune.plan.attention) upcasts q, k and v (repeated to all heads) to fp32
         # and keeps those with the fp32 probabilities, in place of the bf16 q, k, v and output
