@@ -32,23 +32,11 @@ from finetune.util.atomic import replace_dir
 from finetune.util.digest import file_sha256
 from finetune.util.dtypes import recipe_name, torch_dtype
 from finetune.util.errors import RecipeError
-from finetune.util.libc import glibc, trim_heap
+from finetune.util.libc import map_large_buffers, trim_heap
 from finetune.util.log import log
 from finetune.util.units import parse_size
 
 FORMAT_VERSION = 1  # bump when the output layout or arithmetic changes: old outputs are then not "up to date"
-
-
-def _map_large_buffers():
-    """Serve every allocation of 1 MiB or more (tensors) by its own mmap, so freeing it returns it to the
-    OS at once. glibc's default threshold grows as big blocks are freed, after which tensors come from the
-    heap and their freed space lingers: the peak then depends on allocation order and varied from run to
-    run (measured on the benchmark's 200 MB / 400 MB models: 667-695 / 728-782 MB peak RSS; with a fixed
-    1 MiB threshold 583 / 615 MB, the same every run). M_MMAP_THRESHOLD is process-wide and stays set;
-    it only changes where large blocks come from."""
-    lib = glibc()
-    if lib is not None:
-        lib.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
 
 
 def _adapter_pairs(src: Source, infos: list[TensorInfo]):
@@ -152,7 +140,7 @@ def _write_shards(src: Source, tmp: Path, target: str, out_dtype: torch.dtype, m
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    _map_large_buffers()
+    map_large_buffers()  # a fixed peak: freed output shards go back to the OS
     infos = base_tensors(src.base_dir)
     merger = _Merger(src, infos, target, out_dtype)
     shards = plan_shards(infos, out_dtype, max_bytes)

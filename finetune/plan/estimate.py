@@ -25,6 +25,9 @@ CUDA_CONTEXT = GiB // 2  # CUDA context, kernels and cuBLAS workspace: not visib
 NCCL_BUFFERS = GiB // 4  # communicator buffers once there is more than one process
 FRAGMENTATION = 0.10  # caching-allocator slack on top of what tensors occupy
 PROCESS_RAM = 3 * GiB // 2  # resident size of one Python process with torch, CUDA libs and transformers
+# ... without CUDA: a CPU run's process holds its tensors in RAM besides this (measured: the tiny recipe's
+# process, 2.6M parameters, peaks at 0.50 GiB RSS loading and 0.56 GiB training; RUN_DIR/memory.json)
+CPU_PROCESS_RAM = GiB // 2
 SHARD_FILE = 5 * 10**9  # hub checkpoints are cut in ~5 GB safetensors shards; loading holds one at a time
 BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit optimizer state for tensors smaller than this
 
@@ -65,6 +68,7 @@ class Setup:
     # bitsandbytes' quant state is not a parameter, so FSDP leaves all of it on every rank (ours); torchao's
     # NF4Tensor (torchtune) shards its scalers with the packed weight and all-gathers them with it
     quant_state_sharded: bool = False
+    tables_whole: bool = True  # FSDP leaves frozen embedding/head whole per rank (ours); other stacks shard them
     loss_chunk_tokens: int = 0  # 0: automatic (finetune.plan.logits.chunk_rows)
     attn: str = "sdpa"
     device: str = "cuda"  # "cpu" plans a CPU run (no CUDA context; CPU dropout keeps a full-width mask)
@@ -246,7 +250,7 @@ def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
     keep_all = s.reshard_after_forward is False or s.sharding == "SHARD_GRAD_OP"
     layers = arch.layers if keep_all else 2
     grads = 2 * w["lora"] // arch.layers  # unsharded gradients before reduce-scatter
-    if s.fsdp_version == 2 and not s.offload:  # tables whole on every rank (parallel.replicated_modules)
+    if s.tables_whole and not s.offload:  # tables whole on every rank (parallel.replicated_modules)
         return layers * per_layer + grads  # FSDP2 gathers into buffers of their own, on one process too
     local = 0 if s.offload else w["unquantized"] // shard  # the local shard is already counted on the GPU
     return layers * per_layer + grads + w["unquantized"] - local
@@ -265,7 +269,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     # bnb's quant state is not a parameter: every rank holds it all (torchao's NF4 shards it: Setup)
     bd["quant_constants"] = -(-w["quant_constants"] // shard) if s.quant_state_sharded else w["quant_constants"]
     bd["unquantized"] = on_gpu * -(-(w["unquantized"] - embedding_on_cpu(arch, s)) // shard)
-    if s.strategy == "fsdp" and s.fsdp_version == 2 and not s.offload:  # frozen tables whole on every rank
+    if s.strategy == "fsdp" and s.tables_whole and not s.offload:  # frozen tables whole on every rank
         tables = arch.vocab * arch.hidden * (1 if arch.tied else 2) * DTYPE_BYTES[s.model_dtype]
         bd["unquantized"] = on_gpu * (tables + -(-(w["unquantized"] - tables) // shard))
     bd["lora"] = on_gpu * -(-w["lora"] // shard)
@@ -286,7 +290,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
         p.overhead = {"allocator_slack": int(FRAGMENTATION * sum(bd.values())), "cuda_context": CUDA_CONTEXT,
                       "nccl": NCCL_BUFFERS if s.world > 1 else 0}
     bd["framework_overhead"] = sum(p.overhead.values())
-    p.cpu = cpu_phases(arch, s, w, opt, grads)
+    p.cpu = cpu_phases(arch, s, w, opt, grads, bd)
     if s.activation_offload:
         # pinned host copies of every layer input, per process, plus the embedding table kept on the CPU
         p.cpu["training"] += s.per_machine * (act["_offloaded"] + embedding_on_cpu(arch, s))
@@ -297,13 +301,20 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     return p
 
 
-def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str, int]:
-    """Peak CPU RAM per machine in each phase."""
+def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int, bd: dict) -> dict[str, int]:
+    """Peak CPU RAM per machine in each phase. On a CPU run the RAM is the device too: each process holds
+    what the breakdown plans per device (the steps' peak; between steps, what stays: weights, adapter,
+    gradients and optimizer state)."""
     procs = s.per_machine
-    base = procs * PROCESS_RAM
+    cpu_run = s.device == "cpu"
+    base = procs * (CPU_PROCESS_RAM if cpu_run else PROCESS_RAM)
     shard_bf16 = min(SHARD_FILE, arch.params() * 2)
     # The streaming loader: one reader per machine, one tensor at a time (plan/loading.py).
-    phases = {"loading": loading.machine_bytes(arch, s, w, _shards(s), DTYPE_BYTES, PROCESS_RAM)}
+    phases = {"loading": loading.machine_bytes(arch, s, w, _shards(s), DTYPE_BYTES, base // procs)}
+    if cpu_run:
+        kept = sum(v for k, v in bd.items() if k not in ("activations", "logits_loss", "fsdp_buffers",
+                                                           "dequant_workspace", "dora_workspace"))
+        base, steps = base + procs * kept, base + procs * sum(bd.values())
     machine_share = s.per_machine / s.world
     if s.offload:
         # each process: its pinned parameter shards (and FSDP1's pinned gradient for every one of them)
@@ -316,7 +327,7 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int) -> dict[str
             phases["training_start"] = base + procs * (pinned + fsdp1_start_extra_bytes(units, _shards(s)))
         phases["training"] = base + procs * (pinned + opt_rank)
     else:
-        phases["training"] = base
+        phases["training"] = steps if cpu_run else base
     opt_all = (opt["optimizer_8bit"] + opt["optimizer_32bit"]) * _shards(s)
     phases["saving"] = base + w["lora"] + int(opt_all * machine_share)  # gathered adapter + this machine's state
     # The streaming merge holds one bf16 input shard, its merged copy and the adapter.

@@ -23,7 +23,7 @@ def gather_full_adapter_state(accelerator, model) -> dict[str, torch.Tensor]:
     unwrapped = accelerator.unwrap_model(model)
     fsdp1 = is_sharded(model) and accelerator.state.fsdp_plugin.fsdp_version == 1
     if fsdp1 and not _fsdp1_unsharded(model):
-        raw = _fsdp1_full_state_dict(model, offload=accelerator.device.type != "cpu")
+        raw = _fsdp1_trainable(model, offload=accelerator.device.type != "cpu")
     elif is_sharded(model) and not fsdp1:
         # FSDP2: rank 0 receives the full tensors in CPU memory (offload: the gathered copy never sits
         # on the device), the others get {}; the frozen base is skipped before gathering.
@@ -55,24 +55,31 @@ def _fsdp1_unsharded(model) -> bool:
     return isinstance(model, FullyShardedDataParallel) and model.sharding_strategy == ShardingStrategy.NO_SHARD
 
 
-def _fsdp1_full_state_dict(model, offload: bool) -> dict:
-    """FSDP1's full state dict, on rank 0 only (rank0_only: the other ranks get {}).
-
-    Not torch's `get_model_state_dict`: with cpu_offload it turns rank0_only on, and its frozen-parameter
-    filter then pops keys ranks > 0 never received (KeyError on every rank but 0, torch 2.13). Here rank 0
-    filters the trainable tensors itself. `offload` (GPU runs) copies each gathered layer to CPU memory
-    at once; on CPU it stays off: FSDP1's `FlatParamHandle.to_cpu` moves the gathered flat parameter to
-    where it already is and then frees that storage, leaving every entry pointing at freed memory.
+def _fsdp1_trainable(model, offload: bool) -> dict:
+    """The trainable tensors at full shape, on rank 0 only (the other ranks get {}), gathered one FSDP1 unit
+    at a time (`summon_full_params(unit, recurse=False)`), so rank 0 holds one unit's full parameters beside
+    its shards. FSDP1's FULL_STATE_DICT instead gathers and clones every unit's full parameters on rank 0,
+    frozen 4-bit weights included: the whole model at every save (measured: +2.9 GiB on rank 0 of the
+    2 GB synthetic model, benchmarks/phase_rss.py). The root unit comes first in `fsdp_modules` and is
+    always summoned: FSDP1's lazy init must start from the root (summoning a nested unit first would make
+    it a root). `offload` (GPU runs) copies each gathered unit to CPU memory at once; on CPU it stays off:
+    FSDP1's `FlatParamHandle.to_cpu` moves the gathered flat parameter to where it already is and then
+    frees that storage, leaving every entry pointing at freed memory.
     """
-    from torch.distributed.fsdp import FullStateDictConfig, FullyShardedDataParallel, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
-    cfg = FullStateDictConfig(offload_to_cpu=offload, rank0_only=True)
-    with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, cfg):
-        full = model.state_dict()
-    if not is_main():
-        return {}
-    trainable = {_clean(n) for n, p in model.named_parameters() if p.requires_grad}
-    return {k: v.detach().to("cpu", copy=True) for k, v in full.items() if _clean(k) in trainable}
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for i, unit in enumerate(FullyShardedDataParallel.fsdp_modules(model)):
+        # the unit's own parameters: not inside a nested unit (whose names carry a second wrapper prefix)
+        own = [p for n, p in unit.named_parameters() if p.requires_grad and n.count("_fsdp_wrapped_module.") <= 1]
+        if not own and i > 0:
+            continue
+        with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False, rank0_only=True,
+                                                         offload_to_cpu=offload):
+            if is_main():
+                out.update({_clean(names[id(p)]): p.detach().to("cpu", copy=True) for p in own})
+    return out
 
 
 def _clean(name: str) -> str:

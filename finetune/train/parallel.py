@@ -296,7 +296,7 @@ def wrap(accelerator, model, optimizer, plan=None):
         plan.offload = _offloads_params(plugin)
         if plugin.fsdp_version == 1:
             plugin.param_init_fn = fsdp1.param_init(plan)
-        elif not plan.offload:  # offloaded, FSDP2 moves what it manages; a table left out would stay off the GPU
+        if not plan.offload:  # offloaded, FSDP moves what it manages; a table left out would stay off the GPU
             plugin.ignored_modules = replicated_modules(model) or None
     with fsdp1.meta_wrapping() if meta and plugin.fsdp_version == 1 else contextlib.nullcontext():
         out = accelerator.prepare(model, optimizer)
@@ -308,9 +308,9 @@ def wrap(accelerator, model, optimizer, plan=None):
 
 
 def replicated_modules(model) -> list:
-    """The frozen input embedding and output head, which FSDP2 then leaves whole on every rank instead of
-    sharding them. Sharded, they sit in the root unit, which FSDP2 gathers for the whole forward and
-    backward: at a step's peak a rank holds its shard AND the whole tables, and the all-gather's own
+    """The frozen input embedding and output head, which FSDP (2 and 1) then leaves whole on every rank
+    instead of sharding them. Sharded, they sit in the root unit, which FSDP gathers for the whole forward
+    and backward: at a step's peak a rank holds its shard AND the whole tables, and the all-gather's own
     output buffer besides (measured on CPU: benchmarks/phase_rss.py). Whole, a rank holds them once and
     no step gathers them. Trained ones (an adapter on the embedding, `modules_to_save`) stay sharded."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -16,6 +16,7 @@ parameter, this rank's `_shard_param_infos`) is all the fill needs:
   slice: plain tensors as the few rows covering it (the reader sends each rank its elements alone), 4-bit
   weights quantized on the reader piece by piece, each rank sent the packed bytes of its slice alone
   (packed.py; the quantization state is set whole on every rank), LoRA from the stash. FSDP1's padding stays zero.
+  The frozen tables FSDP1 was told to leave out (ignored modules) come whole to every rank, as under FSDP2.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 from finetune.weights.heap import loading_objects_only, release_freed_memory
 from finetune.weights.packed import quantized_range
 from finetune.weights.packed_experts import expert_range
+from finetune.weights.reader import materialize
 
 
 def swap_storage(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
@@ -113,7 +115,23 @@ def fill_shards(model, plan) -> None:
             swap_storage(p, torch.empty(0, dtype=p.dtype, device=device))
         handle._use_sharded_views()
         release_freed_memory()
+    _fill_replicated(model, plan)
     plan.release()
+
+
+def _fill_replicated(model, plan) -> None:
+    """The parameters FSDP1 left out of every flat parameter (the frozen tables, parallel.replicated_modules)
+    are still meta: each gets its whole value on every rank, in plan order (collective)."""
+    from finetune.weights.fsdp2 import assign, holders_by_id
+
+    holders = None
+    for e in plan.entries:
+        old = getattr(e.module, e.name)
+        if old.is_meta:
+            holders = holders or holders_by_id(model)
+            assign(holders[id(old)], materialize(plan.stream, e))
+            del old
+            release_freed_memory()
 
 
 def _peer_spans(handle, pl) -> dict[int, list]:

@@ -38,7 +38,7 @@ def _local_chunk(plan: LoadPlan, e: Entry, rank: int, world: int) -> torch.Tenso
     return chunks[rank].clone() if rank < len(chunks) else full.data.new_empty((0, *full.shape[1:]))
 
 
-def _holders(model) -> dict[int, list[tuple[torch.nn.Module, str]]]:
+def holders_by_id(model) -> dict[int, list[tuple[torch.nn.Module, str]]]:
     """id(parameter) -> every (module, name) that holds it: a tied head shares the embedding's."""
     out: dict[int, list] = {}
     for module in model.modules():
@@ -53,14 +53,14 @@ def fill_shards(model, plan: LoadPlan) -> None:
     dim-0 chunk. Collective, in plan order on every rank; the plan is released at the end."""
     from torch.distributed.tensor import DTensor
 
-    holders = _holders(model)
+    holders = holders_by_id(model)
     # Plain tensors first: the embedding and the head are the biggest reads, and their transients (the
     # reader holds another rank's rows while it sends them) should come while little is held yet.
     for e in sorted(plan.entries, key=lambda e: e.packed):
         old = getattr(e.module, e.name)
         if not isinstance(old, DTensor):
             if old.is_meta:  # replicated (left out of sharding, parallel.replicated_modules): whole everywhere
-                _assign(holders[id(old)], materialize(plan.stream, e))
+                assign(holders[id(old)], materialize(plan.stream, e))
                 del old
                 release_freed_memory()
             continue
@@ -72,7 +72,7 @@ def fill_shards(model, plan: LoadPlan) -> None:
             local = local.cpu()
         new = torch.nn.Parameter(DTensor.from_local(local, mesh, old.placements, run_check=False, shape=old.shape,
                                                     stride=old.stride()), requires_grad=False)
-        _assign(holders[id(old)], new)
+        assign(holders[id(old)], new)
         del old, local, new
         release_freed_memory()
     plan.release()
@@ -80,6 +80,6 @@ def fill_shards(model, plan: LoadPlan) -> None:
 
 
 
-def _assign(holders: list, new: torch.nn.Parameter) -> None:
+def assign(holders: list, new: torch.nn.Parameter) -> None:
     for module, name in holders:
         module.load_state_dict({name: new}, strict=False, assign=True)

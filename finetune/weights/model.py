@@ -52,8 +52,10 @@ def load_with_plan(spec: ModelSpec, quant: QuantizationSpec, placement=None, qui
     Two kinds of base still go through transformers' `from_pretrained`, and only unsharded: int8
     (LLM.int8 weights cannot be sharded by FSDP at all) and pickle-only checkpoints the recipe allows
     (the streaming reader reads safetensors only)."""
+    from finetune.util.libc import map_large_buffers
     from finetune.weights.placement import default_placement
 
+    map_large_buffers()  # from here on, a freed weight or activation leaves the process (util.libc)
     placement = placement or default_placement()
     path = local_checkpoint(resolve_name(spec.name), spec)
     _check_weights_format(path, spec.allow_pickle)

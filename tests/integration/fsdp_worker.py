@@ -53,6 +53,15 @@ def batches(steps: int):
     return list(ids)
 
 
+def table_bytes(model) -> int:
+    """The local bytes of the embedding and head (parallel.replicated_modules), each parameter once (a tied
+    head is the embedding)."""
+    from torch.distributed.tensor import DTensor
+
+    tables = {id(p): p for n, p in model.named_parameters() if "embed_tokens" in n or "lm_head" in n}
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size() for p in tables.values())
+
+
 def param_bytes(model) -> int:
     from torch.distributed.tensor import DTensor
 
@@ -89,6 +98,7 @@ def sharding_facts(model, accelerator) -> dict:
             "n_dtensor_params": sum(isinstance(p, DTensor) for p in params), "n_params": len(params),
             "unsharded_names": whole,
             "unsharded_bytes": sum(p.numel() * p.element_size() for p in params if not isinstance(p, DTensor)),
+            "table_bytes": table_bytes(model),
             "num_processes": accelerator.num_processes}
 
 
@@ -137,7 +147,9 @@ def main(argv: list[str]) -> int:
     from finetune.weights.placement import placement_for
     from finetune.weights.model import fill_shards
 
-    full_bytes = param_bytes(load_qlora_model()[0])  # the whole model, as one process holds it
+    whole = load_qlora_model()[0]  # the whole model, as one process holds it
+    full_bytes, full_tables = param_bytes(whole), table_bytes(whole)
+    del whole
     model, plan = load_qlora_model(placement_for(acc))
     opt = build_optimizer(model.named_parameters(), train)
     sched = build_scheduler(opt, train, args.steps)
@@ -146,7 +158,8 @@ def main(argv: list[str]) -> int:
     # Parameter objects after prepare (FSDP2 swaps them for DTensors): name them for the optimizer report.
     names_after = {id(p): n.replace("_fsdp_wrapped_module.", "") for n, p in model.named_parameters()}
 
-    facts = {"rank": acc.process_index, "full_bytes": full_bytes, "local_bytes": param_bytes(model),
+    facts = {"rank": acc.process_index, "full_bytes": full_bytes, "full_table_bytes": full_tables,
+             "local_bytes": param_bytes(model),
              **sharding_facts(model, acc), "four_bit": four_bit_facts(model)}
     r, mb = acc.process_index, args.micro_batch
     losses = []

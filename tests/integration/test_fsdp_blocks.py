@@ -91,9 +91,10 @@ def test_each_rank_holds_half_the_model_and_4bit_stays_4bit(runs, version):
     for r in ranks:
         assert r["is_sharded"], r["model_class"]  # FSDPModule (FSDP2) / FullyShardedDataParallel (FSDP1)
         assert r["num_processes"] == 2
-        # FSDP2 leaves the frozen embedding and head whole on each rank (parallel.replicated_modules): the
-        # rest is halved. FSDP1 shards everything.
-        whole = r["unsharded_bytes"] if version == 2 else 0
+        # FSDP2 and FSDP1 leave the frozen embedding and head whole on each rank (parallel.replicated_modules):
+        # the rest is halved.
+        whole = r["unsharded_bytes"] if version == 2 else r["table_bytes"]
+        assert r["table_bytes"] == r["full_table_bytes"] > 0  # whole, as one process holds them
         assert abs(r["local_bytes"] - whole - (full - whole) / 2) <= 0.1 * (full - whole) / 2, (r["local_bytes"], full)
         assert r["four_bit"]["n_linear4bit"] == N_LORA_LAYERS
         assert r["four_bit"]["weight_dtypes"] == ["torch.float32"]  # packed nibbles in the fp32 storage dtype

@@ -26,3 +26,22 @@ def test_whole_model_loads_on_the_gpu_when_there_is_one(monkeypatch):
     assert [(p.mode, p.device) for p in got] == [("whole", torch.device("cuda", 0))]
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert placement.default_placement().device == torch.device("cpu")
+
+
+def test_a_launched_cpu_rank_places_without_copying():
+    """Accelerate calls the CPU `cpu:0` under a launcher, and torch copies a tensor moved from `cpu` to
+    `cpu:0`: a rank receiving a broadcast 1 GiB table then held it twice (issue 33, benchmarks/phase_rss.py).
+    The placement a real Accelerator gives keeps the CPU without an index, so moving there is free."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from finetune.weights.placement import placement_for
+
+    # what Accelerate's state.set_device gives a launched CPU rank: torch.device("cpu", local index % 1)
+    acc = SimpleNamespace(device=torch.device("cpu", 0), distributed_type=DistributedType.MULTI_CPU,
+                          process_index=0, num_processes=1, local_process_index=0)
+    pl = placement_for(acc)
+    t = torch.empty(4)
+    assert pl.device.type == "cpu" and t.to(pl.device).data_ptr() == t.data_ptr()
+    assert t.to(torch.device("cpu", 0)).data_ptr() != t.data_ptr()  # why: the copy this avoids (torch 2.13)
