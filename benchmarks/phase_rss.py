@@ -49,13 +49,25 @@ def run_one(name: str, rec: dict, work: Path, launch: list[str]) -> dict:
     if p.returncode != 0:
         raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
     mem = json.loads((Path(rec["output"]["dir"]) / "memory.json").read_text())
-    growth = {}
+    growth, peak = {}, {}
     for rank in mem["ranks"]:
         for phase, v in rank["phases"].items():
-            g = (v["peak_rss"] - rank["start_rss"]) / GIB
-            growth.setdefault(phase, []).append(round(g, 3))
-    return {"growth_gib": growth, "plan_gib": {k: round(v / GIB, 3) for k, v in (mem.get("plan") or {}).items()},
-            "start_gib": [round(r["start_rss"] / GIB, 3) for r in mem["ranks"]]}
+            growth.setdefault(phase, []).append(round((v["peak_rss"] - rank["start_rss"]) / GIB, 3))
+            peak.setdefault(phase, []).append(round(v["peak_rss"] / GIB, 3))
+    return {"growth_gib": growth, "peak_gib": peak, "start_gib": [round(r["start_rss"] / GIB, 3) for r in mem["ranks"]],
+            "plan_gib": {k: round(v / GIB, 3) for k, v in (mem.get("plan") or {}).items()}}
+
+
+def plan_errors(res: dict) -> dict:
+    """Per run and planned phase: (planned - measured) / measured, measured the largest rank's peak RSS. The
+    plan's load covers the whole streaming load, which under FSDP ends in the shard fill (the `wrap` phase)."""
+    out = {}
+    for name in res["runs"]:
+        peak, plan = res[name]["peak_gib"], res[name]["plan_gib"]
+        for phase, planned in plan.items():
+            measured = max(max(peak[p]) for p in ({"load": ("load", "wrap")}.get(phase, (phase,))) if p in peak)
+            out[f"{name} {phase}"] = round((planned - measured) / measured, 3)
+    return out
 
 
 def packed_bytes(model: str) -> int:
@@ -67,11 +79,12 @@ def packed_bytes(model: str) -> int:
     return w["base_4bit"]
 
 
-def run(layers: int = 16, only: list[str] | None = None) -> dict:
-    model = MODEL.format(layers=layers)
+def run(layers: int = 16, only: list[str] | None = None, model: str | None = None) -> dict:
+    model = model or MODEL.format(layers=layers)
     from finetune.weights.synthetic import synthetic_dir
 
-    synthetic_dir(model)  # built once, before any run measures itself
+    if model.startswith("synthetic:"):
+        synthetic_dir(model)  # built once, before any run measures itself
     work = Path(tempfile.mkdtemp(prefix="phase_rss-"))
     accelerate = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                   str(ROOT / "configs" / "cpu_fsdp.yaml")]
@@ -95,6 +108,7 @@ def run(layers: int = 16, only: list[str] | None = None) -> dict:
             if n in whole:
                 res[f"{n}_saving_over_packed"] = round((whole["single"] - whole[n]) / res["packed_4bit_gib"], 3)
     res["whole_run_growth_gib"] = whole
+    res["plan_error"] = plan_errors(res)
     return res
 
 
@@ -102,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.phase_rss")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--only", help="comma-separated subset of single,fsdp2,fsdp1")
+    ap.add_argument("--model", help="another model (default: the 2 GB synthetic Llama of --layers layers)")
     a = ap.parse_args(argv)
-    res = run(a.layers, a.only.split(",") if a.only else None)
+    res = run(a.layers, a.only.split(",") if a.only else None, a.model)
     print(table(res))
     print(json.dumps(res))
     return 0
@@ -124,6 +139,8 @@ def table(res: dict) -> str:
     whole = res["whole_run_growth_gib"]
     lines += ["", "Whole run, largest rank: " + ", ".join(f"{n} {whole[n]:.2f} GiB" for n in chosen)
               + f"; packed 4-bit weights {res['packed_4bit_gib']:.3f} GiB"]
+    lines.append("- planned CPU RAM against the largest rank's peak: " + ", ".join(
+        f"{k} {100 * v:+.0f}%" for k, v in res["plan_error"].items()))
     for n in ("fsdp2", "fsdp1"):
         if f"{n}_saving_over_packed" in res:
             lines.append(f"- {n}: one process's growth less the larger rank's = **{res[f'{n}_saving_over_packed']:.2f}x** "

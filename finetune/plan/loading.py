@@ -36,14 +36,24 @@ def tensors(arch: Arch) -> list[tuple[int, bool]]:
 PIECE = 2**18  # weights/quantize.QUANT_CHUNK: elements of a 4-bit weight read and quantized at once
 
 
-def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int) -> tuple[int, int]:
-    """(bytes in flight on the reader for the biggest tensor, bytes a receiver holds for it), `shard` the
-    FSDP shard count (1: whole)."""
+def tables_whole(s, shard: int) -> bool:
+    """FSDP leaves the frozen embedding and head whole on every rank (train.parallel.replicated_modules)."""
+    return shard > 1 and s.strategy == "fsdp" and getattr(s, "tables_whole", True) and not s.offload
+
+
+def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int, four_bit_kind: bool) -> tuple[int, int]:
+    """(bytes in flight on the reader for the biggest tensor, bytes a receiver holds for it) among the 4-bit
+    targets or the plain tensors (`four_bit_kind`), `shard` the FSDP shard count (1: whole)."""
     mb = dtype_bytes[s.model_dtype]
     per_rank = shard > 1 and s.strategy == "fsdp"
     reader = received = 0
     for numel, four_bit in tensors(arch):
-        if four_bit and s.quant in ("nf4", "fp4") and per_rank:
+        if four_bit != four_bit_kind:
+            continue
+        if not four_bit and tables_whole(s, shard):
+            # a replicated table: read whole and cast on the reader, received into the parameter kept
+            flight, got = numel * (CKPT_BYTES + (mb if mb != CKPT_BYTES else 0)), 0
+        elif four_bit and s.quant in ("nf4", "fp4") and per_rank:
             # FSDP: each piece is sent on as it is quantized (weights/packed.py): the reader holds one row
             # block read and cast and its packed bytes; a rank receives only what it keeps
             piece = min(numel, PIECE)
@@ -68,16 +78,23 @@ def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader:
     """Peak bytes one process holds while loading (on its device: the GPU, or RAM in a CPU run), beyond
     what it held before. `w`: estimate.weight_terms; `shard`: the FSDP shard count (1: whole)."""
     on_device = 0 if s.offload else 1  # FSDP's CPU offload keeps the shards in RAM (machine_bytes)
-    sharded = -(-(w["base_4bit"] + w.get("experts", 0)) // shard) + -(-w["unquantized"] // shard) + -(-w["lora"] // shard)
+    tables = arch.vocab * arch.hidden * (1 if arch.tied else 2) * dtype_bytes[s.model_dtype] if tables_whole(s, shard) else 0
+    plain = on_device * (tables + -(-(w["unquantized"] - tables) // shard))
     # Under FSDP the adapters are attached to CPU placeholders, so they reach the device sharded; whole
     # otherwise. The quantization state is whole on every rank.
-    final = w["quant_constants"] + on_device * sharded
-    flight, received = _sizes(arch, s, dtype_bytes, shard)
-    # what arrives, beside the part of it kept (an FSDP rank's part of a packed weight is a copy)
-    transient = received + (received // shard if shard > 1 else 0)
-    if reader:
-        transient = max(transient, flight + (received // shard if shard > 1 else 0))
-    return final + transient
+    final = w["quant_constants"] + plain + on_device * (-(-(w["base_4bit"] + w.get("experts", 0)) // shard)
+                                                        + -(-w["lora"] // shard))
+    peak = final
+    # Plain tensors load first (weights/skeleton.py, fsdp1.py, fsdp2.py), so their transients come beside
+    # the plain tensors alone; a 4-bit weight's beside everything.
+    for four_bit, held in ((False, plain), (True, final)):
+        flight, received = _sizes(arch, s, dtype_bytes, shard, four_bit)
+        # what arrives, beside the part of it kept (an FSDP rank's part of a packed weight is a copy)
+        transient = received + (received // shard if shard > 1 else 0)
+        if reader:
+            transient = max(transient, flight + (received // shard if shard > 1 else 0))
+        peak = max(peak, held + transient)
+    return peak
 
 
 def machine_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, process_ram: int) -> int:

@@ -95,6 +95,7 @@ def fill_shards(model, plan) -> None:
     rank walks the same units and parameters in the same order; the plan is released at the end."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    _fill_replicated(model, plan)  # first: the tables' read-and-cast transient while little is held yet
     for unit in FullyShardedDataParallel.fsdp_modules(model):
         handle = unit._handle
         if handle is None or not handle.flat_param.is_meta:
@@ -115,19 +116,22 @@ def fill_shards(model, plan) -> None:
             swap_storage(p, torch.empty(0, dtype=p.dtype, device=device))
         handle._use_sharded_views()
         release_freed_memory()
-    _fill_replicated(model, plan)
     plan.release()
 
 
 def _fill_replicated(model, plan) -> None:
-    """The parameters FSDP1 left out of every flat parameter (the frozen tables, parallel.replicated_modules)
-    are still meta: each gets its whole value on every rank, in plan order (collective)."""
+    """The parameters FSDP1 left out of every flat parameter (the frozen tables, parallel.replicated_modules):
+    each gets its whole value on every rank, in plan order (collective)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
     from finetune.weights.fsdp2 import assign, holders_by_id
 
+    flat = {id(p) for unit in FullyShardedDataParallel.fsdp_modules(model) if unit._handle is not None
+            for p in [*unit._handle.flat_param._params, *(unit._handle.flat_param._shared_params or [])]}
     holders = None
     for e in plan.entries:
         old = getattr(e.module, e.name)
-        if old.is_meta:
+        if old.is_meta and id(old) not in flat:
             holders = holders or holders_by_id(model)
             assign(holders[id(old)], materialize(plan.stream, e))
             del old

@@ -95,7 +95,9 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
         check_stored_config(config, bnb)
     model, quantizer = skeleton(path, config, dtype, bnb, ckpt.prequantized, attn, trust)
     plan = LoadPlan(Stream(ckpt, placement, dtype), plan_entries(model, ckpt))
-    for e in plan.entries:
+    # Plain tensors first: the embedding and the head are the biggest reads, and their transients (the
+    # checkpoint's copy beside the cast one) should come while little is held yet (plan/loading.py).
+    for e in sorted(plan.entries, key=lambda e: e.packed):
         if placement.mode == "whole":
             setattr(e.module, e.name, materialize(plan.stream, e))
             release_freed_memory()

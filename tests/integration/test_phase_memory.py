@@ -1,0 +1,43 @@
+"""Memory per phase (issue 33), over whole runs launched as users launch them (benchmarks/phase_rss.py: one
+process with recipes/tiny_cpu.yaml, then 2 processes of recipes/tiny_cpu_fsdp.yaml under `accelerate launch`
+with FSDP2 and with FSDP1; 2 steps at micro-batch 2 and the end-of-run eval). Every run writes
+RUN_DIR/memory.json: each rank's peak RSS per phase, and the planner's CPU figures for the same phases.
+
+- The plan's CPU RAM per process (load, steps, save) is within 20% of the largest rank's measured peak, for
+  the builtin tiny model and for a 2 GB synthetic bf16 Llama (16 layers, hidden 2048, vocab 128256).
+- On the 2 GB model, each FSDP rank's whole-run growth is below the one process's by at least 0.4x the
+  model's packed 4-bit bytes (each rank holds half of them), in every phase, not only the load.
+"""
+import pytest
+
+from benchmarks import phase_rss
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return phase_rss.run(model="builtin:tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def big():
+    return phase_rss.run(layers=16)
+
+
+@pytest.mark.parametrize("which", ["tiny", "big"])
+def test_the_planned_cpu_ram_of_each_phase_is_within_20_percent(request, which):
+    res = request.getfixturevalue(which)
+    errors = res["plan_error"]
+    assert len(errors) == 9, errors  # load, steps and save of the single, FSDP2 and FSDP1 runs
+    assert all(abs(e) <= 0.20 for e in errors.values()), errors
+
+
+def test_each_fsdp_rank_holds_less_than_one_process_over_the_whole_run(big):
+    whole = big["whole_run_growth_gib"]
+    for version in ("fsdp2", "fsdp1"):
+        assert big[f"{version}_saving_over_packed"] >= 0.4, (version, whole, big["packed_4bit_gib"])
+        # in every phase the largest rank is below the one process (the load and the fill aside: one
+        # process's load is a rank's load plus its wrap, which has no counterpart there)
+        for phase in ("steps", "eval", "save", "export"):
+            assert max(big[version]["growth_gib"][phase]) < max(big["single"]["growth_gib"][phase]), (version, phase)
