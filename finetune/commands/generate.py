@@ -107,13 +107,15 @@ def run(args) -> int:
     import contextlib
     import json
 
-    from finetune.data.encode import chat_template, instruction_prompt, instruction_user
-    from finetune.train.inference import check_context, generate, load_run, trains_chat
     from finetune.util.errors import RecipeError
 
     check_arguments(args)
     texts, rows = [decode_escapes(p) for p in args.prompt], instruction_rows(args)  # bad arguments before loading
     conversation = read_messages(args.messages) if args.messages else None
+    # torch and transformers only now: a mistyped argument is refused at once, not after seconds of imports
+    from finetune.data.encode import chat_template, instruction_prompt, instruction_user
+    from finetune.train.inference import check_context, generate, load_run, trains_chat
+
     recipe, tok, model = load_run(args.run_dir, merged=args.merged)
     chat = args.chat if args.chat is not None else (recipe is not None and trains_chat(recipe))
     template = (chat_template(recipe.data, tok) if recipe is not None else tok.chat_template) if chat else None
