@@ -49,7 +49,7 @@ def run(args) -> int:
 
     args.prompt = []  # generate's checks, which also look at its --prompt
     check_arguments(args)
-    from finetune.data.encode import chat_template  # torch only after the arguments passed
+    from finetune.data.encode import chat_template  # torch only after the arguments and the run dir passed
     from finetune.train.inference import generate, load_run
 
     recipe, tok, model = load_run(args.run_dir, merged=args.merged)

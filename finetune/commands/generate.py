@@ -53,7 +53,8 @@ def add_model_arguments(p) -> None:
 
 
 def check_arguments(args) -> None:
-    """Every numeric argument in range and every prompt non-empty, before anything loads (exit 2)."""
+    """Every numeric argument in range, every prompt non-empty and the run dir a finished run's, before
+    anything loads (exit 2); torch-free, so a refusal answers at once."""
     import math
 
     from finetune.util.errors import RecipeError
@@ -70,6 +71,10 @@ def check_arguments(args) -> None:
     bad += [f"--prompt #{i + 1} is empty; give the text to continue" for i, p in enumerate(args.prompt) if not p.strip()]
     if bad:
         raise RecipeError(bad)
+    if not args.merged:
+        from finetune.train.runcheck import checked_run
+
+        checked_run(args.run_dir)  # damaged or unsafe: one line now, not after the imports
 
 
 def instruction_rows(args) -> list[dict]:
