@@ -45,12 +45,13 @@ def fit(model, tok, system: list, history: list, template: str, max_new_tokens: 
 def run(args) -> int:
     import contextlib
 
-    from finetune.data.encode import chat_template
-    from finetune.train.inference import generate, load_run
     from finetune.util.errors import RecipeError
 
     args.prompt = []  # generate's checks, which also look at its --prompt
     check_arguments(args)
+    from finetune.data.encode import chat_template  # torch only after the arguments and the run dir passed
+    from finetune.train.inference import generate, load_run
+
     recipe, tok, model = load_run(args.run_dir, merged=args.merged)
     template = chat_template(recipe.data, tok) if recipe is not None else tok.chat_template
     if not template:

@@ -130,17 +130,19 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from finetune.commands.common import load_recipe
-    from finetune.data.batching import batch_stats, packing_layout
-    from finetune.data.prepare import prepare
     from finetune.plan.archs import vocab_size
     from finetune.recipe import DataSource
     from finetune.train.preflight import refuse_remote_code
-    from finetune.weights.resolve import resolve_attention
 
     if args.show < 0:
         raise RecipeError(["--show: must be >= 0"])
     recipe = load_recipe(args)
     refuse_remote_code(recipe)  # a config that asks for its own code: one line, not transformers' traceback
+    # torch only now: a bad recipe or argument is refused at once
+    from finetune.data.batching import batch_stats, packing_layout
+    from finetune.data.prepare import prepare
+    from finetune.weights.resolve import resolve_attention
+
     if args.dataset:
         recipe.data.sources = [DataSource(path=args.dataset)]
         recipe.data.eval_sources = []

@@ -19,13 +19,17 @@ def register(sub) -> None:
 def run(args) -> int:
     import json
 
-    from finetune.train.inference import run_eval
     from finetune.util.errors import RecipeError
 
     if args.max_rows < 0:
         raise RecipeError([f"--max-rows must be >= 0, got {args.max_rows}"])
     if args.show < 0:
         raise RecipeError([f"--show must be >= 0, got {args.show}"])
+    from finetune.train.runcheck import checked_run
+
+    checked_run(args.run_dir)  # a damaged or unsafe run dir too
+    from finetune.train.inference import run_eval  # torch only after the arguments and the run dir passed
+
     res = run_eval(args.run_dir, args.max_rows)
     for k, v in res.items():
         print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")

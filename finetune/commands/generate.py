@@ -53,7 +53,8 @@ def add_model_arguments(p) -> None:
 
 
 def check_arguments(args) -> None:
-    """Every numeric argument in range and every prompt non-empty, before anything loads (exit 2)."""
+    """Every numeric argument in range, every prompt non-empty and the run dir a finished run's, before
+    anything loads (exit 2); torch-free, so a refusal answers at once."""
     import math
 
     from finetune.util.errors import RecipeError
@@ -70,6 +71,10 @@ def check_arguments(args) -> None:
     bad += [f"--prompt #{i + 1} is empty; give the text to continue" for i, p in enumerate(args.prompt) if not p.strip()]
     if bad:
         raise RecipeError(bad)
+    if not args.merged:
+        from finetune.train.runcheck import checked_run
+
+        checked_run(args.run_dir)  # damaged or unsafe: one line now, not after the imports
 
 
 def instruction_rows(args) -> list[dict]:
@@ -107,13 +112,15 @@ def run(args) -> int:
     import contextlib
     import json
 
-    from finetune.data.encode import chat_template, instruction_prompt, instruction_user
-    from finetune.train.inference import check_context, generate, load_run, trains_chat
     from finetune.util.errors import RecipeError
 
     check_arguments(args)
     texts, rows = [decode_escapes(p) for p in args.prompt], instruction_rows(args)  # bad arguments before loading
     conversation = read_messages(args.messages) if args.messages else None
+    # torch and transformers only now: a mistyped argument is refused at once, not after seconds of imports
+    from finetune.data.encode import chat_template, instruction_prompt, instruction_user
+    from finetune.train.inference import check_context, generate, load_run, trains_chat
+
     recipe, tok, model = load_run(args.run_dir, merged=args.merged)
     chat = args.chat if args.chat is not None else (recipe is not None and trains_chat(recipe))
     template = (chat_template(recipe.data, tok) if recipe is not None else tok.chat_template) if chat else None

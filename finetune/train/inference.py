@@ -26,8 +26,7 @@ def load_run(run_dir: Path, merged: bool = False):
     `merged`, the merged model in RUN_DIR/merged (or RUN_DIR itself when it is a merged model's dir)."""
     from peft import PeftModel
 
-    from finetune.train.preflight import refuse_remote_code
-    from finetune.util.untrusted import adapter_problem
+    from finetune.train.runcheck import checked_run
     from finetune.weights.expert_lora import adopt
     from finetune.weights.portable import quiet_peft_wrap
     from finetune.weights.model import load_model
@@ -35,18 +34,8 @@ def load_run(run_dir: Path, merged: bool = False):
 
     if merged:
         return load_merged(run_dir)
+    recipe = checked_run(run_dir)
     adapter = run_dir / "adapter"
-    if not (run_dir / "recipe.yaml").exists() or not (adapter / "adapter_config.json").exists():
-        raise RecipeError([f"{run_dir}: not a finished run dir (needs recipe.yaml and adapter/)"])
-    recipe = read_recipe(run_dir)
-    if not (adapter / "adapter_model.safetensors").exists() and not recipe.model.allow_pickle:
-        # PEFT would fall back to adapter_model.bin: a pickle, which can run code when loaded.
-        raise RecipeError([f"{adapter}: no adapter_model.safetensors (pickle adapters are refused); convert it, "
-                           "or set model.allow_pickle: true in its recipe.yaml"])
-    refuse_remote_code(recipe)
-    why = adapter_problem(adapter)  # empty or truncated: one line, not safetensors' header traceback
-    if why:
-        raise RecipeError([why])
     tok = load_tokenizer(recipe.model, path=str(adapter))
     base = load_model(recipe.model, recipe.quantization, quiet=True)
     with quiet_peft_wrap():

@@ -45,6 +45,19 @@ def skeleton(path: Path, config, dtype: torch.dtype, bnb, prequantized: bool, at
     return model, quantizer
 
 
+@loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
+def set_weights(plan: LoadPlan, placement: Placement) -> None:
+    """Every weight of the plan: read (and quantized) for a `whole` placement, else a CPU placeholder. Plain
+    tensors first: the embedding and the head are the biggest reads, and their transients (the checkpoint's
+    copy beside the cast one) should come while little is held yet (plan/loading.py)."""
+    for e in sorted(plan.entries, key=lambda e: e.packed):
+        if placement.mode == "whole":
+            setattr(e.module, e.name, materialize(plan.stream, e))
+            release_freed_memory()
+        else:
+            setattr(e.module, e.name, cpu_placeholder(e))
+
+
 def expert_q(bnb) -> dict:
     """The 4-bit arguments of packed experts: those transformers gives every Linear4bit of this config."""
     return {"blocksize": 64, "compress_statistics": bnb.bnb_4bit_use_double_quant,
@@ -83,7 +96,6 @@ def plan_entries(model, ckpt: Checkpoint) -> list[Entry]:
     return out
 
 
-@loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
 def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement, attn: str, trust: bool):
     """(the frozen base for `placement` (see the package doc), its load plan: None when every weight is
     set, as for `whole`). `bnb`: a 4-bit BitsAndBytesConfig or None."""
@@ -93,16 +105,12 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
                            "to its type (nf4 or fp4)"])
     if ckpt.prequantized:
         check_stored_config(config, bnb)
+    # The skeleton imports the model's modules and bitsandbytes' integration lazily (~100k objects): it
+    # runs before the collector is narrowed to loading's objects, or every collection of the fill rescans
+    # them (measured: 39 collections of 0.11 s each for the 2.6M-parameter tiny model).
     model, quantizer = skeleton(path, config, dtype, bnb, ckpt.prequantized, attn, trust)
     plan = LoadPlan(Stream(ckpt, placement, dtype), plan_entries(model, ckpt))
-    # Plain tensors first: the embedding and the head are the biggest reads, and their transients (the
-    # checkpoint's copy beside the cast one) should come while little is held yet (plan/loading.py).
-    for e in sorted(plan.entries, key=lambda e: e.packed):
-        if placement.mode == "whole":
-            setattr(e.module, e.name, materialize(plan.stream, e))
-            release_freed_memory()
-        else:
-            setattr(e.module, e.name, cpu_placeholder(e))
+    set_weights(plan, placement)
     if placement.mode == "whole":
         # Buffers (RoPE's inv_freq) were made real on the CPU with the skeleton; a whole model is used where it
         # is loaded (eval, generate), and FSDP and Accelerate move the others with the parameters.

@@ -27,11 +27,24 @@ def pref_metrics(run_dir):
     return [r for r in metrics(run_dir) if "loss" in r]
 
 
+@pytest.fixture(scope="module")
+def single_runs(tmp_path_factory):
+    """The one-process reference run of an argument list, trained once: FSDP2's and FSDP1's DPO cases compare
+    against the same run (they only read its metrics and reference log-probs)."""
+    runs = {}
+
+    def run(extra):
+        if tuple(extra) not in runs:
+            runs[tuple(extra)] = single_run(tmp_path_factory, extra)
+        return runs[tuple(extra)]
+    return run
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("method,version", [("dpo", 2), ("orpo", 2), ("dpo", 1)])
-def test_two_process_fsdp_matches_one_process(tmp_path, tmp_path_factory, method, version):
+def test_two_process_fsdp_matches_one_process(tmp_path, single_runs, method, version):
     extra = STRICT + PREF + [f"train.method={method}", "model.gradient_checkpointing=true"]
-    single = single_run(tmp_path_factory, extra + ["train.save_every=null"])
+    single = single_runs(extra + ["train.save_every=null"])
     run = tmp_path / "fsdp"
     log = launch(run, version, extra)
     assert f"fsdp: FSDP{version} over gloo, 2 processes" in log

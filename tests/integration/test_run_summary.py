@@ -5,6 +5,7 @@ import json
 import re
 
 import pytest
+import yaml
 
 from ..conftest import run_cli
 
@@ -42,9 +43,12 @@ def test_a_run_ends_in_a_summary_and_its_resume_keeps_time_and_names_the_schedul
     assert after and min(after) > t10, (t10, after)  # the clock goes on from the checkpoint's time
 
 
-def test_eval_writes_and_shows_predictions_and_generate_takes_instruction_rows_and_conversations(tmp_path):
-    run = tmp_path / "run"
-    assert run_cli([*ARGS, "train.max_steps=4", "eval.exact_match_samples=4", f"output.dir={run}"]).returncode == 0
+def test_eval_writes_and_shows_predictions_and_generate_takes_instruction_rows_and_conversations(run, tmp_path):
+    # `run`: a copy of the session's trained tiny run (tests/integration/conftest.py); eval reads its settings
+    # from the run's recipe.yaml: 4 prompts compared, 2 held-out batches scored
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    recipe["eval"].update({"exact_match_samples": 4, "max_batches": 2})
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
     shown = run_cli(["eval", str(run), "--show", "2"])
     assert shown.returncode == 0, shown.stderr[-2000:]
     rows = [json.loads(line) for line in (run / "predictions.jsonl").read_text().splitlines()]

@@ -194,7 +194,15 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
 def test_help_and_planning_answer_without_heavy_imports():
     code = ("import sys; from finetune import cli; cli.main(['--help']); "
             "cli.main(['estimate', 'recipes/llama3_70b_qlora.yaml', '--gpus', '2']); "
+            # a mistyped argument of a verb that loads a model is refused before torch is imported
+            "codes = [cli.main(['generate', 'runs/x', '--prompt', 'hi', '--seed', '-1']), "
+            "cli.main(['chat', 'runs/x', '--temperature', 'nan']), cli.main(['eval', 'runs/x', '--max-rows', '-1']), "
+            # and so is a run dir that is not a finished run (train/runcheck.py)
+            "cli.main(['eval', 'runs/no-such-run']), cli.main(['generate', 'runs/no-such-run', '--prompt', 'hi'])]; "
+            "assert codes == [2] * 5, codes; "
             "assert not {'torch', 'transformers', 'peft'} & set(sys.modules), 'heavy import'")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "validate" in out.stdout and "GPU memory per device" in out.stdout
+    assert "--seed must be 0 to 2^32-1" in out.stderr and "--max-rows must be >= 0" in out.stderr
+    assert out.stderr.count("runs/no-such-run: not a finished run dir") == 2, out.stderr

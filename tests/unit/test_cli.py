@@ -107,11 +107,28 @@ def test_estimate_plans_activation_offloading_and_states_allocated_memory(capsys
     assert offloaded["gpu_bytes_allocated"] <= 6.0 * 2**30
 
 
-def test_generate_prints_non_ascii_prompts_as_typed(capsys, monkeypatch):
+def _finished_run_files(run: Path) -> Path:
+    """The files of a finished run dir that generate checks before loading (train/runcheck.py): a resolved
+    recipe and a well-formed (here one-tensor) adapter."""
+    import torch
+    import yaml
+    from safetensors.torch import save_file
+
+    from finetune import recipe
+
+    (run / "adapter").mkdir(parents=True)
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe.from_dict({}).model_dump(mode="json")))
+    (run / "adapter" / "adapter_config.json").write_text("{}")
+    save_file({"w": torch.zeros(2)}, str(run / "adapter" / "adapter_model.safetensors"))
+    return run
+
+
+def test_generate_prints_non_ascii_prompts_as_typed(capsys, monkeypatch, tmp_path):
     """`generate --prompt "café"` once printed "cafÃ©" (and prompted the model with it): the escapes a shell
     cannot type are decoded, nothing else."""
     from finetune.train import inference
 
+    run = _finished_run_files(tmp_path / "run")
     seen = []
 
     class Model:
@@ -120,7 +137,7 @@ def test_generate_prints_non_ascii_prompts_as_typed(capsys, monkeypatch):
 
     monkeypatch.setattr(inference, "load_run", lambda run_dir, merged=False: (None, object(), Model()))
     monkeypatch.setattr(inference, "generate", lambda model, tok, prompts, *a: seen.extend(prompts) or ["ok"] * len(prompts))
-    assert cli.main(["generate", "run", "--prompt", "café ☕", "--prompt", r"a\nb \\n"]) == 0
+    assert cli.main(["generate", str(run), "--prompt", "café ☕", "--prompt", r"a\nb \\n"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert seen == ["café ☕", "a\nb \\n"]
     assert [line["prompt"] for line in lines] == seen
