@@ -139,8 +139,9 @@ def table(res: dict) -> str:
     whole = res["whole_run_growth_gib"]
     lines += ["", "Whole run, largest rank: " + ", ".join(f"{n} {whole[n]:.2f} GiB" for n in chosen)
               + f"; packed 4-bit weights {res['packed_4bit_gib']:.3f} GiB"]
-    lines.append("- planned CPU RAM against the largest rank's peak: " + ", ".join(
-        f"{k} {100 * v:+.0f}%" for k, v in res["plan_error"].items()))
+    if res.get("plan_error"):  # results recorded before the plan covered CPU runs have none
+        lines.append("- planned CPU RAM against the largest rank's peak: " + ", ".join(
+            f"{k} {100 * v:+.0f}%" for k, v in res["plan_error"].items()))
     for n in ("fsdp2", "fsdp1"):
         if f"{n}_saving_over_packed" in res:
             lines.append(f"- {n}: one process's growth less the larger rank's = **{res[f'{n}_saving_over_packed']:.2f}x** "
