@@ -59,6 +59,7 @@ def _right_pad(items: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tens
 def collate(examples: list[dict], pad_id: int) -> dict:
     """Dynamic padding to the longest example in the batch (right padding, masked out of the loss). Preference
     pairs go through `collate_pairs`."""
+    examples = list(examples)  # read once (a slice of data.examples.Examples reads its rows when walked)
     if examples and "rejected_ids" in examples[0]:
         return collate_pairs(examples, pad_id)
     ids, labels = _right_pad(examples, pad_id)
@@ -80,11 +81,27 @@ def collate_pairs(pairs: list[dict], pad_id: int) -> dict:
     return batch
 
 
-def pack(examples: list[dict], max_len: int) -> list[dict]:
+# Packing works on windows of this many examples: each window's rows are made as Python lists (trl's packer
+# needs them), so a window bounds that memory however many rows there are; best fit within 16384 short
+# examples leaves no more room unused than best fit across all of them.
+PACK_WINDOW = 16384
+
+
+def pack(examples, max_len: int) -> list[dict]:
     """Best-fit-decreasing packing (trl.pack_dataset) into rows of at most max_len tokens. Each row keeps
     `position_ids` that restart at 0 per example: with no attention_mask and no KV cache, transformers
     turns them into a block-diagonal causal mask, so examples never attend to each other. Rows come out
     in the order of their earliest example, so the caller's shuffle still decides the order."""
+    return [row for rows in packed_windows(examples, max_len) for row in rows]
+
+
+def packed_windows(examples, max_len: int):
+    """The packed rows of each window of PACK_WINDOW examples in turn (pack)."""
+    for start in range(0, len(examples), PACK_WINDOW):
+        yield _pack_window(examples[start: start + PACK_WINDOW], max_len)
+
+
+def _pack_window(examples, max_len: int) -> list[dict]:
     from datasets import Dataset
     from trl import pack_dataset
 
@@ -156,30 +173,39 @@ class EpochBatches:
         return collate(part, self.pad_id)
 
 
-def packing_efficiency(examples: list[dict], max_len: int) -> float:
+def packing_efficiency(examples, max_len: int) -> float:
     """Real tokens / (packed rows x max_len): the share of a packed row's slots that hold data."""
-    return _efficiency(pack(examples, max_len), max_len)
+    return _efficiency(_row_lengths(pack(examples, max_len)), max_len)
 
 
-def _efficiency(rows: list[dict], max_len: int) -> float:
-    return round(sum(len(r["input_ids"]) for r in rows) / max(len(rows) * max_len, 1), 4)
+def _row_lengths(items) -> list[int]:
+    return [len(x["input_ids"]) for x in items]
 
 
-def padding_fraction(items: list[dict], batch_size: int) -> float:
+def _efficiency(lengths: list[int], max_len: int) -> float:
+    return round(sum(lengths) / max(len(lengths) * max_len, 1), 4)
+
+
+def padding_fraction(items, batch_size: int) -> float:
     """Share of the positions in right-padded batches of `items` (examples, or packed rows) that are
     padding: what a batch computes for nothing."""
+    return _padding(_row_lengths(items), batch_size)
+
+
+def _padding(lengths: list[int], batch_size: int) -> float:
     total = real = 0
-    for i in range(0, len(items), batch_size):
-        lengths = [len(x["input_ids"]) for x in items[i: i + batch_size]]
-        total, real = total + len(lengths) * max(lengths), real + sum(lengths)
+    for i in range(0, len(lengths), batch_size):
+        part = lengths[i: i + batch_size]
+        total, real = total + len(part) * max(part), real + sum(part)
     return round(1 - real / max(total, 1), 4)
 
 
-def batch_stats(examples: list[dict], batch_size: int, max_len: int) -> dict:
+def batch_stats(examples, batch_size: int, max_len: int) -> dict:
     """Packed vs padded, for the same examples and batch size (dynamic padding pads each batch to its
-    longest example; packing pads each batch of rows to its longest row)."""
-    rows = pack(examples, max_len)
+    longest example; packing pads each batch of rows to its longest row). Only the packed rows' lengths are
+    kept, one window at a time: the figures for millions of examples hold no copy of them."""
+    rows = [n for window in packed_windows(examples, max_len) for n in _row_lengths(window)]
     return {"packed_rows": len(rows),
             "packing_efficiency": _efficiency(rows, max_len),
-            "padding_fraction_packed": padding_fraction(rows, batch_size),
+            "padding_fraction_packed": _padding(rows, batch_size),
             "padding_fraction_unpacked": padding_fraction(examples, batch_size)}

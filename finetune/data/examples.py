@@ -1,0 +1,83 @@
+"""Encoded examples kept in Arrow, read as dicts one batch at a time.
+
+The tokenizing map writes its examples into an Arrow file that `datasets` memory-maps, so the token ids
+stay on disk and in the page cache, not on the heap: a Python list costs ~36 bytes a token (twice, ids and
+labels), enough to need 8 GB for 2 million short rows. `Examples` is the read-only sequence the training
+loop, eval and `finetune data` walk: the row numbers that passed the checks (a compact integer array),
+over the Arrow rows; each access gives the same dict a list element used to be (truncated to max_seq_len,
+without the encoder's bookkeeping). Dicts are made when read, so changing one changes nothing: per-example
+values computed later (DPO's reference log-probs) are attached to the sequence (`attach`).
+"""
+from __future__ import annotations
+
+from array import array
+from typing import Iterator, Sequence
+
+READ_BATCH = 1024  # rows per Arrow read while iterating: one take, then plain dicts
+PAIR_KEYS = ("rejected_ids", "rejected_labels")
+DROPPED = ("error", "length")  # the encoder's bookkeeping, read by the checks (prepare._keep), not by training
+
+
+class Examples(Sequence):
+    def __init__(self, ds, index: array, max_len: int, extra: dict | None = None):
+        self._ds = ds.with_format("arrow")  # a read gives an Arrow table: one conversion per batch of rows
+        self._index, self._max_len, self._extra = index, max_len, extra or {}
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):  # a view: the rows are not read
+            return Examples(self._ds, self._index[i], self._max_len, {k: v[i] for k, v in self._extra.items()})
+        n = len(self._index)
+        if not -n <= i < n:
+            raise IndexError(i)
+        return self._read(range(i % n, i % n + 1))[0]
+
+    def __iter__(self) -> Iterator[dict]:
+        for start in range(0, len(self._index), READ_BATCH):
+            yield from self._read(range(start, min(start + READ_BATCH, len(self._index))))
+
+    def take(self, order: Sequence[int]) -> "Examples":
+        """These examples in another order (positions into this sequence), as a view."""
+        return Examples(self._ds, array("q", (self._index[j] for j in order)), self._max_len,
+                        {k: [v[j] for j in order] for k, v in self._extra.items()})
+
+    def attach(self, key: str, values: list) -> None:
+        """values[i] appears as example i's `key` from now on, in this sequence and in its views made later."""
+        if len(values) != len(self):
+            raise ValueError(f"attach {key}: {len(values)} values for {len(self)} examples")
+        self._extra[key] = list(values)
+
+    def _read(self, positions: range) -> list[dict]:
+        cols = self._ds[[self._index[p] for p in positions]].to_pydict()
+        out = []
+        for p, vals in zip(positions, zip(*cols.values())):
+            ex = {k: v for k, v in zip(cols, vals) if k not in DROPPED}
+            if not ex.get("rejected_ids"):  # a preference pair's rejected side exists only in pairs
+                for k in PAIR_KEYS:
+                    ex.pop(k, None)
+            # Stored one token past max_seq_len (prepare._encode_batch): an example still here is truncated.
+            for k in ("input_ids", "labels", *PAIR_KEYS):
+                if k in ex and len(ex[k]) > self._max_len:
+                    ex[k] = ex[k][: self._max_len]
+            for k, v in self._extra.items():
+                ex[k] = v[p]
+            out.append(ex)
+        return out
+
+
+def reorder(examples: Sequence[dict], order: Sequence[int]) -> Sequence[dict]:
+    """`examples` in `order` (positions): a view of Examples, a new list of a list."""
+    if isinstance(examples, Examples):
+        return examples.take(order)
+    return [examples[j] for j in order]
+
+
+def attach(examples: Sequence[dict], key: str, values: list) -> None:
+    """Each example's `key` set to its value: on Examples through `attach`, on a list of dicts in place."""
+    if isinstance(examples, Examples):
+        examples.attach(key, values)
+        return
+    for ex, v in zip(examples, values, strict=True):
+        ex[key] = v
