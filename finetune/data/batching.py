@@ -4,10 +4,12 @@ examples per row, kept apart by position_ids that restart at 0), and the stats t
 from __future__ import annotations
 
 import contextlib
+from typing import Sequence
 
 import torch
 
 from finetune.data.encode import IGNORE
+from finetune.data.examples import reorder
 from finetune.util.log import log
 
 # How each attention backend keeps packed documents apart (transformers 5.23, no attention_mask, no cache):
@@ -149,6 +151,14 @@ def batches(examples: list[dict], batch_size: int, pad_id: int, packing: bool, m
         return [collate_packed(rows[i: i + batch_size], pad_id, flat=layout == "flat")
                 for i in range(0, len(rows), batch_size)]
     return [collate(examples[i: i + batch_size], pad_id) for i in range(0, len(examples), batch_size)]
+
+
+def shuffled(examples: Sequence[dict], rng) -> Sequence[dict]:
+    """`examples` shuffled by `rng`: positions are shuffled (the same draws as shuffling the examples
+    themselves, so the order is the one a list of dicts got), then the examples reordered as a view."""
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    return reorder(examples, order)
 
 
 class EpochBatches:

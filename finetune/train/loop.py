@@ -20,7 +20,6 @@ import torch
 
 from finetune.data import batching
 from finetune.data.explain import data_notes
-from finetune.data.examples import reorder
 from finetune.data.prepare import check_method
 from finetune.data.prepare import prepare as prepare_data
 from finetune.plan.archs import vocab_size
@@ -346,10 +345,7 @@ def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int
     """This rank's micro-batches for an epoch. The order depends only on (shuffle_seed, epoch), so a
     resumed run sees the same data, and each global batch is split across ranks. `layout` is the packing
     layout the attention backend supports (data.packing_layout), None for dynamic padding."""
-    # Shuffling positions draws as shuffling the examples did; the examples are reordered as a view.
-    order = list(range(len(examples)))
-    random.Random(spec.data.shuffle_seed * 1000 + epoch).shuffle(order)
-    order = reorder(examples, order)
+    order = batching.shuffled(examples, random.Random(spec.data.shuffle_seed * 1000 + epoch))
     if layout:
         order = batching.pack(order, spec.data.max_seq_len)
     # Collated lazily, one micro-batch when the loop reaches it (data.batching.EpochBatches).
