@@ -9,7 +9,7 @@ from typing import Sequence
 import torch
 
 from finetune.data.encode import IGNORE
-from finetune.data.examples import reorder
+from finetune.data.examples import lengths_of, reorder
 from finetune.util.log import log
 
 # How each attention backend keeps packed documents apart (transformers 5.23, no attention_mask, no cache):
@@ -83,27 +83,11 @@ def collate_pairs(pairs: list[dict], pad_id: int) -> dict:
     return batch
 
 
-# Packing works on windows of this many examples: each window's rows are made as Python lists (trl's packer
-# needs them), so a window bounds that memory however many rows there are; best fit within 16384 short
-# examples leaves no more room unused than best fit across all of them.
-PACK_WINDOW = 16384
-
-
 def pack(examples, max_len: int) -> list[dict]:
     """Best-fit-decreasing packing (trl.pack_dataset) into rows of at most max_len tokens. Each row keeps
     `position_ids` that restart at 0 per example: with no attention_mask and no KV cache, transformers
     turns them into a block-diagonal causal mask, so examples never attend to each other. Rows come out
     in the order of their earliest example, so the caller's shuffle still decides the order."""
-    return [row for rows in packed_windows(examples, max_len) for row in rows]
-
-
-def packed_windows(examples, max_len: int):
-    """The packed rows of each window of PACK_WINDOW examples in turn (pack)."""
-    for start in range(0, len(examples), PACK_WINDOW):
-        yield _pack_window(examples[start: start + PACK_WINDOW], max_len)
-
-
-def _pack_window(examples, max_len: int) -> list[dict]:
     from datasets import Dataset
     from trl import pack_dataset
 
@@ -210,12 +194,46 @@ def _padding(lengths: list[int], batch_size: int) -> float:
     return round(1 - real / max(total, 1), 4)
 
 
+# The packing figures pack this many examples at a time: best fit keeps a small record per packed row,
+# bounded by the window; within 65536 short examples it leaves no more room unused than across all of them.
+STATS_WINDOW = 65536
+
+
+def packed_lengths(lengths, max_len: int) -> list[int]:
+    """The lengths of pack()'s rows, in pack()'s order, from the examples' lengths alone (a numpy array):
+    the same best fit, run over a list column that holds each example's number (in Arrow, 4 bytes a token)
+    instead of its tokens. Equal to pack() up to STATS_WINDOW examples; beyond, window by window."""
+    import numpy as np
+    import pyarrow as pa
+    from datasets import Dataset
+    from trl import pack_dataset
+
+    out = []
+    for start in range(0, len(lengths), STATS_WINDOW):
+        n = lengths[start: start + STATS_WINDOW]
+        n = np.minimum(n[n > 0], max_len).astype(np.int32)  # as pack(): empty examples out, long ones cut
+        if not len(n):
+            continue
+        docs = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)),
+                                        pa.array(np.repeat(np.arange(len(n), dtype=np.int32), n)))
+        with _quiet():
+            packed = pack_dataset(Dataset.from_dict({"input_ids": docs}), max_len, strategy="bfd",
+                                  map_kwargs={"batch_size": len(n)})
+        col = packed.with_format("arrow")[:]["input_ids"].combine_chunks()
+        offsets = col.offsets.to_numpy()
+        offsets = offsets - offsets[0]
+        first = np.minimum.reduceat(col.flatten().to_numpy(), offsets[:-1])  # each row's earliest example
+        out += np.diff(offsets)[np.argsort(first, kind="stable")].tolist()
+    return out
+
+
 def batch_stats(examples, batch_size: int, max_len: int) -> dict:
     """Packed vs padded, for the same examples and batch size (dynamic padding pads each batch to its
-    longest example; packing pads each batch of rows to its longest row). Only the packed rows' lengths are
-    kept, one window at a time: the figures for millions of examples hold no copy of them."""
-    rows = [n for window in packed_windows(examples, max_len) for n in _row_lengths(window)]
+    longest example; packing pads each batch of rows to its longest row). From the examples' lengths
+    only: the figures for millions of examples hold no copy of their tokens."""
+    lengths = lengths_of(examples)
+    rows = packed_lengths(lengths, max_len)
     return {"packed_rows": len(rows),
             "packing_efficiency": _efficiency(rows, max_len),
             "padding_fraction_packed": _padding(rows, batch_size),
-            "padding_fraction_unpacked": padding_fraction(examples, batch_size)}
+            "padding_fraction_unpacked": _padding(lengths.tolist(), batch_size)}

@@ -25,18 +25,22 @@ class Rows:
     """Every row read (texts, formats, chat flags, indexed by global row number) and the row numbers of the
     training and held-out sides, in order."""
     texts: object  # pyarrow ChunkedArray of large_string: json.dumps of each checked row
-    fmts: object   # pyarrow ChunkedArray of string: each row's format
+    starts: list   # each source's first row number (sources are read one after another)
+    fmts: list     # each source's format
     chat: object   # numpy bool array: the row renders through a chat template
     train: array
     held: array
     per_source: list
 
-    def table(self, order: array) -> dict:
-        """{"text": texts, "fmt": formats} of the rows numbered in `order`, as Arrow arrays (for the encoder)."""
+    def texts_of(self, numbers) -> list[tuple[str, str]]:
+        """(JSON text, format) of the rows numbered in `numbers` (a short run of them: one Arrow take)."""
         import pyarrow as pa
 
-        idx = pa.array(order, type=pa.int64())
-        return {"text": self.texts.take(idx).combine_chunks(), "fmt": self.fmts.take(idx).combine_chunks()}
+        import numpy as np
+
+        idx = np.asarray(numbers, dtype=np.int64)
+        source = np.searchsorted(self.starts, idx, side="right") - 1
+        return list(zip(self.texts.take(pa.array(idx)).to_pylist(), (self.fmts[k] for k in source)))
 
     def any_chat(self) -> bool:
         import numpy as np
@@ -57,8 +61,8 @@ class _Reader:
     """Appends checked rows of one source after another, as JSON texts in Arrow chunks."""
 
     def __init__(self):
-        self.chunks, self.fmt_chunks, self.chat = [], [], bytearray()
-        self.texts, self.fmts, self.n = [], [], 0
+        self.chunks, self.starts, self.fmts, self.chat = [], [], [], bytearray()
+        self.texts, self.n = [], 0
 
     def read(self, src, bad: BadRows, label: str, vocab_size: int | None) -> tuple[str, int, int]:
         """(format, first global row number, rows read) of one source."""
@@ -66,12 +70,13 @@ class _Reader:
         for fmt, row in checked_rows(src, bad, label, vocab_size):
             # The text the encoder parses and the cache key hashes (sort_keys: a stable key).
             self.texts.append(json.dumps(row, ensure_ascii=False, sort_keys=True, default=str))
-            self.fmts.append(fmt)
             self.chat.append(_is_chat(fmt, row))
             self.n += 1
             if len(self.texts) >= CHUNK:
                 self._flush()
         self._flush()
+        self.starts.append(start)
+        self.fmts.append(fmt)
         return fmt, start, self.n - start
 
     def _flush(self):
@@ -79,15 +84,13 @@ class _Reader:
 
         if self.texts:
             self.chunks.append(pa.array(self.texts, type=pa.large_string()))
-            self.fmt_chunks.append(pa.array(self.fmts, type=pa.string()))
-            self.texts, self.fmts = [], []
+            self.texts = []
 
     def rows(self, train: array, held: array, per_source: list) -> Rows:
         import numpy as np
         import pyarrow as pa
 
-        return Rows(pa.chunked_array(self.chunks, type=pa.large_string()),
-                    pa.chunked_array(self.fmt_chunks, type=pa.string()),
+        return Rows(pa.chunked_array(self.chunks, type=pa.large_string()), self.starts, self.fmts,
                     np.frombuffer(bytes(self.chat), dtype=np.bool_), train, held, per_source)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from finetune.data.encode import ENCODER_VERSION, IGNORE, chat_template, encode_all
-from finetune.data.examples import Examples
+from finetune.data.examples import Examples, scan
 from finetune.data.explain import length_figures, length_lines
 from finetune.data.formats import BadRows
 from finetune.data.mixing import Rows, read_all
@@ -42,14 +42,28 @@ def _tokenizer_fingerprint(tok) -> list:
             tok.chat_template, tok.bos_token_id, tok.eos_token_id, tok.special_tokens_map]
 
 
-def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec) -> dict:
+def _features():
+    """The cache file's column types: token ids as int32 (every vocabulary fits), half the bytes of the
+    int64 that would be inferred, so the file and the pages read from it are smaller."""
+    from datasets import Features, List, Value
+
+    ids = List(Value("int32"))
+    return Features({"input_ids": ids, "labels": ids, "rejected_ids": ids, "rejected_labels": ids,
+                     "where": Value("string"), "error": Value("string"), "row": Value("int64"),
+                     "parts": Value("int32"), "turns": Value("int32"), "check": Value("string"),
+                     "length": Value("int64")})
+
+
+def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec, rows: Rows) -> dict:
+    """Encodes the rows numbered in batch["n"], their texts read from `rows` here: the map's input is the
+    row numbers alone, so the texts are never copied into a shuffled second table."""
     import jinja2
 
     keys = ("input_ids", "labels", "rejected_ids", "rejected_labels", "where", "error", "row", "parts", "turns",
             "check", "length")
     out = {k: [] for k in keys}
     cut = spec.max_seq_len + 1
-    for text, fmt, index in zip(batch["text"], batch["fmt"], indices):
+    for (text, fmt), index in zip(rows.texts_of(batch["n"]), indices):
         row = json.loads(text)
         try:
             examples, err = encode_all(row, fmt, tok, spec), ""
@@ -67,29 +81,30 @@ def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec) -> dict:
     return out
 
 
-def _texts_digest(texts, fmts) -> str:
-    """A digest of every row's text and format, in order, read in chunks (the rows are never one string)."""
+def _texts_digest(rows: Rows, order: array) -> str:
+    """A digest of the texts and formats of the rows numbered in `order`, in order, read in chunks (the rows
+    are never one string)."""
     h = hashlib.sha256()
-    for col in (texts, fmts):
-        for start in range(0, len(col), 65536):
-            h.update("\n".join(col.slice(start, 65536).to_pylist()).encode("utf-8", "surrogatepass"))
-            h.update(b"\0")
+    for start in range(0, len(order), 65536):
+        for text, fmt in rows.texts_of(order[start: start + 65536]):
+            h.update(f"{fmt}\0{text}\n".encode("utf-8", "surrogatepass"))
     return h.hexdigest()
 
 
-def encode_cached(table: dict, tok, spec: DataSpec, what: str):
-    """Tokenize the rows of `table` ({"text": JSON texts, "fmt": formats}, Arrow arrays) through
-    `datasets.Dataset.map`, cached under the finetune cache by a fingerprint of the rows, the tokenizer and
-    the options that change the result. Returns the encoded Dataset: memory-mapped from the cache file, or in
-    memory (Arrow, still compact) where the cache cannot be written. Failed rows come back with an `error`
-    and empty ids. A row may give several examples (a chat whose template rewrites history): each names
-    its row (`row`), how many its row gave (`parts`) and its chat turns checked (`turns`, `check`)."""
+def encode_cached(rows: Rows, order: array, tok, spec: DataSpec, what: str):
+    """Tokenize the rows numbered in `order` through `datasets.Dataset.map`, cached under the finetune cache
+    by a fingerprint of the rows, the tokenizer and the options that change the result. Returns the encoded
+    Dataset: memory-mapped from the cache file, or in memory (Arrow, still compact) where the cache cannot
+    be written. Failed rows come back with an `error` and empty ids. A row may give several examples (a
+    chat whose template rewrites history): each names its position in `order` (`row`), how many its row
+    gave (`parts`) and its chat turns checked (`turns`, `check`)."""
     import datasets
+    import numpy as np
     from datasets.fingerprint import Hasher
 
     from finetune.plan.disk import data_cache_cap, data_cache_dir, probe_writable
 
-    key = Hasher.hash([ENCODER_VERSION, _texts_digest(table["text"], table["fmt"]), _tokenizer_fingerprint(tok),
+    key = Hasher.hash([ENCODER_VERSION, _texts_digest(rows, order), _tokenizer_fingerprint(tok),
                        spec.train_on_inputs, chat_template(spec, tok), spec.max_seq_len, spec.prompt_template])
     cache = data_cache_dir() / f"{what}-{key}.arrow"
     try:
@@ -104,12 +119,12 @@ def encode_cached(table: dict, tok, spec: DataSpec, what: str):
                     "FINETUNE_CACHE to a writable directory)")
     elif cache.exists():
         os.utime(cache)  # recently used: kept by the pruning below
-    ds = datasets.Dataset.from_dict(table)
+    ds = datasets.Dataset.from_dict({"n": np.frombuffer(order, dtype=np.int64)})
     # Without a cache the examples stay in memory (keep_in_memory): Arrow buffers, not Python lists, so
     # still compact, but on the heap rather than memory-mapped.
-    out = ds.map(_encode_batch, batched=True, with_indices=True, batch_size=256, fn_kwargs={"tok": tok, "spec": spec},
-                 remove_columns=["text", "fmt"], cache_file_name=None if unusable else str(cache),
-                 keep_in_memory=bool(unusable), new_fingerprint=key, desc=f"tokenizing {what} rows")
+    out = ds.map(_encode_batch, batched=True, with_indices=True, batch_size=256, fn_kwargs={"tok": tok, "spec": spec, "rows": rows},
+                 remove_columns=["n"], cache_file_name=None if unusable else str(cache),
+                 keep_in_memory=bool(unusable), new_fingerprint=key, features=_features(), desc=f"tokenizing {what} rows")
     if not unusable:
         _USED.add(cache)
         prune_cache(cache.parent, _USED, data_cache_cap())
@@ -170,7 +185,7 @@ def _keep(ds, spec: DataSpec, bad: BadRows, counts: dict, vocab_size: int | None
     stop the run with a device-side assert, far from the row that caused it). Truncation happens when the
     examples are read (examples.Examples)."""
     kept, n = array("q"), 0
-    for batch in ds.iter(batch_size=1024):
+    for batch in scan(ds):
         for ex in (dict(zip(batch, vals)) for vals in zip(*batch.values())):
             n += 1
             err = ex["error"]
@@ -229,11 +244,11 @@ def prepare(spec: DataSpec, tok, vocab_size: int | None = None) -> Prepared:
     _check_templates(rows, spec, tok)
     counts = {"truncated": 0, "dropped_overlong": 0, "prompt_fills_max_seq_len": 0, "no_trained_tokens": 0,
               "lengths": array("q")}
-    encoded = encode_cached(rows.table(rows.train), tok, spec, "train")
+    encoded = encode_cached(rows, rows.train, tok, spec, "train")
     train = Examples(encoded, _keep(encoded, spec, bad, counts, vocab_size), spec.max_seq_len)
     evals, eval_rows = [], []
     if rows.held:
-        encoded = encode_cached(rows.table(rows.held), tok, spec, "eval")
+        encoded = encode_cached(rows, rows.held, tok, spec, "eval")
         evals = Examples(encoded, _keep(encoded, spec, bad, {**counts, "lengths": array("q")}, vocab_size),
                          spec.max_seq_len)
         # The raw held-out rows, for exact match: only these few are dicts again.
