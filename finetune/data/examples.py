@@ -69,6 +69,12 @@ class Examples(Sequence):
 
     __hash__ = None
 
+    def __add__(self, other) -> list[dict]:  # as lists concatenate (every row read: for small sets)
+        return list(self) + list(other)
+
+    def __radd__(self, other) -> list[dict]:
+        return list(other) + list(self)
+
     def take(self, order: Sequence[int]) -> "Examples":
         """These examples in another order (positions into this sequence), as a view."""
         return Examples(self._ds, array("q", (self._index[j] for j in order)), self._max_len,
