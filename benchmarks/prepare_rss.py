@@ -94,8 +94,14 @@ def run(rows: int = 200_000) -> dict:
         warm = _measure(tmp / "recipe.yaml", tmp / "cache")
     gib = 1 << 30
     return {"rows_written": rows, "rows": cold["rows"], "eval_rows": cold["eval_rows"],
-            "peak_rss_gib": round(cold["peak_rss"] / gib, 3), "seconds": cold["seconds"],
+            "peak_rss_gib": round(cold["peak_rss"] / gib, 3), "cold_seconds": cold["seconds"],
             "warm_peak_rss_gib": round(warm["peak_rss"] / gib, 3), "warm_seconds": warm["seconds"]}
+
+
+def table(res: dict) -> str:
+    return "\n".join(["| rows | peak RSS, cold cache | wall | peak RSS, warm cache | wall |", "|---|---|---|---|---|",
+                      f"| {res['rows_written']:,} | {res['peak_rss_gib']:.3f} GiB | {res['cold_seconds']} s | "
+                      f"{res['warm_peak_rss_gib']:.3f} GiB | {res['warm_seconds']} s |"])
 
 
 if __name__ == "__main__":
@@ -104,4 +110,6 @@ if __name__ == "__main__":
     else:
         ap = argparse.ArgumentParser(prog="python -m benchmarks.prepare_rss", description=__doc__.splitlines()[0])
         ap.add_argument("--rows", type=int, default=200_000, help="rows to prepare (default 200000)")
-        print(json.dumps(run(ap.parse_args().rows)))
+        res = run(ap.parse_args().rows)
+        print(table(res))
+        print(json.dumps(res))
