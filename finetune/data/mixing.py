@@ -24,7 +24,8 @@ CHAT_FORMATS = ("messages", "sharegpt")
 class Rows:
     """Every row read (texts, formats, chat flags, indexed by global row number) and the row numbers of the
     training and held-out sides, in order."""
-    texts: object  # pyarrow ChunkedArray of large_string: json.dumps of each checked row
+    texts: list    # pyarrow large_string arrays, CHUNK rows each (a source's last one fewer): json.dumps of each row
+    chunk_starts: object  # numpy: the first row number of each of `texts`
     starts: list   # each source's first row number (sources are read one after another)
     fmts: list     # each source's format
     chat: object   # numpy bool array: the row renders through a chat template
@@ -34,13 +35,14 @@ class Rows:
 
     def texts_of(self, numbers) -> list[tuple[str, str]]:
         """(JSON text, format) of the rows numbered in `numbers` (a short run of them: one Arrow take)."""
-        import pyarrow as pa
-
         import numpy as np
 
+        # Row by row from its chunk: a take on the chunked texts would first join every chunk into one copy.
         idx = np.asarray(numbers, dtype=np.int64)
+        chunk = np.searchsorted(self.chunk_starts, idx, side="right") - 1
         source = np.searchsorted(self.starts, idx, side="right") - 1
-        return list(zip(self.texts.take(pa.array(idx)).to_pylist(), (self.fmts[k] for k in source)))
+        return [(self.texts[c][int(i - self.chunk_starts[c])].as_py(), self.fmts[s])
+                for i, c, s in zip(idx, chunk, source)]
 
     def any_chat(self) -> bool:
         import numpy as np
@@ -49,7 +51,7 @@ class Rows:
         return bool(self.chat[used].any())
 
     def row(self, n: int) -> dict:
-        return json.loads(self.texts[n].as_py())
+        return json.loads(self.texts_of([n])[0][0])
 
 
 def _is_chat(fmt: str, row: dict) -> bool:
@@ -61,7 +63,7 @@ class _Reader:
     """Appends checked rows of one source after another, as JSON texts in Arrow chunks."""
 
     def __init__(self):
-        self.chunks, self.starts, self.fmts, self.chat = [], [], [], bytearray()
+        self.chunks, self.chunk_starts, self.starts, self.fmts, self.chat = [], [], [], [], bytearray()
         self.texts, self.n = [], 0
 
     def read(self, src, bad: BadRows, label: str, vocab_size: int | None) -> tuple[str, int, int]:
@@ -83,14 +85,14 @@ class _Reader:
         import pyarrow as pa
 
         if self.texts:
+            self.chunk_starts.append(self.n - len(self.texts))
             self.chunks.append(pa.array(self.texts, type=pa.large_string()))
             self.texts = []
 
     def rows(self, train: array, held: array, per_source: list) -> Rows:
         import numpy as np
-        import pyarrow as pa
 
-        return Rows(pa.chunked_array(self.chunks, type=pa.large_string()), self.starts, self.fmts,
+        return Rows(self.chunks, np.asarray(self.chunk_starts, dtype=np.int64), self.starts, self.fmts,
                     np.frombuffer(bytes(self.chat), dtype=np.bool_), train, held, per_source)
 
 
