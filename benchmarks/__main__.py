@@ -1,7 +1,7 @@
 """`python -m benchmarks [--json]`: every row, each in a fresh interpreter, then benchmarks/RESULTS.md.
 
 Rows (one module each): throughput (1), packing (2), merge_rss (3), estimate_error (4), checkpointing (5),
-startup (6), trl_sft (7), loss_memory (8), load_rss (9), phase_rss (10). With --json the last line of stdout is one JSON object: the four goal figures first, then
+startup (6), trl_sft (7), loss_memory (8), load_rss (9), phase_rss (10), prepare_rss (11). With --json the last line of stdout is one JSON object: the four goal figures first, then
 everything measured. Progress goes to stderr.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ ROWS = {
     "loss_memory": ({}, {}, 900),
     "load_rss": ({}, {"layers": 4}, 1800),
     "phase_rss": ({}, {"layers": 2, "only": ["single", "fsdp2"]}, 3600),
+    "prepare_rss": ({"rows": 200_000}, {"rows": 20_000}, 1800),
 }
 DEFAULT_OUT = common.ROOT / "benchmarks" / "RESULTS.md"
 

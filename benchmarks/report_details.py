@@ -179,6 +179,14 @@ def phase_rss(r: dict) -> list[str]:
             "per process for the phases it plans.", "", table(r)]
 
 
+def prepare_rss(r: dict) -> list[str]:
+    from benchmarks.prepare_rss import table
+
+    return ["`finetune data` on N tiny alpaca-like rows (benchmarks/prepare_rss.py, `--rows N` to run it alone), in "
+            "a fresh process on a cold cache, then again on the warm cache; peak RSS is the process's VmHWM. "
+            "The bound held by docs/robustness.md: 2,000,000 rows under 1.5 GiB.", "", table(r)]
+
+
 SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("packing", "## 2. Packing", packing),
             ("merge_rss", "## 3. Merge memory", merge_rss),
@@ -188,7 +196,8 @@ SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("trl_sft", "## 7. Against TRL's SFTTrainer", trl_sft),
             ("loss_memory", "## 8. Loss memory", loss_memory),
             ("load_rss", "## 9. Loading memory", load_rss),
-            ("phase_rss", "## 10. Memory per phase of a whole run", phase_rss)]
+            ("phase_rss", "## 10. Memory per phase of a whole run", phase_rss),
+            ("prepare_rss", "## 11. Data preparation memory", prepare_rss)]
 
 
 def sections(rows: dict) -> list[str]:

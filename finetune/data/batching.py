@@ -4,10 +4,12 @@ examples per row, kept apart by position_ids that restart at 0), and the stats t
 from __future__ import annotations
 
 import contextlib
+from typing import Sequence
 
 import torch
 
 from finetune.data.encode import IGNORE
+from finetune.data.examples import lengths_of, reorder
 from finetune.util.log import log
 
 # How each attention backend keeps packed documents apart (transformers 5.23, no attention_mask, no cache):
@@ -59,6 +61,7 @@ def _right_pad(items: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tens
 def collate(examples: list[dict], pad_id: int) -> dict:
     """Dynamic padding to the longest example in the batch (right padding, masked out of the loss). Preference
     pairs go through `collate_pairs`."""
+    examples = list(examples)  # read once (a slice of data.examples.Examples reads its rows when walked)
     if examples and "rejected_ids" in examples[0]:
         return collate_pairs(examples, pad_id)
     ids, labels = _right_pad(examples, pad_id)
@@ -80,7 +83,7 @@ def collate_pairs(pairs: list[dict], pad_id: int) -> dict:
     return batch
 
 
-def pack(examples: list[dict], max_len: int) -> list[dict]:
+def pack(examples, max_len: int) -> list[dict]:
     """Best-fit-decreasing packing (trl.pack_dataset) into rows of at most max_len tokens. Each row keeps
     `position_ids` that restart at 0 per example: with no attention_mask and no KV cache, transformers
     turns them into a block-diagonal causal mask, so examples never attend to each other. Rows come out
@@ -134,6 +137,14 @@ def batches(examples: list[dict], batch_size: int, pad_id: int, packing: bool, m
     return [collate(examples[i: i + batch_size], pad_id) for i in range(0, len(examples), batch_size)]
 
 
+def shuffled(examples: Sequence[dict], rng) -> Sequence[dict]:
+    """`examples` shuffled by `rng`: positions are shuffled (the same draws as shuffling the examples
+    themselves, so the order is the one a list of dicts got), then the examples reordered as a view."""
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    return reorder(examples, order)
+
+
 class EpochBatches:
     """One rank's micro-batches of an epoch, collated when asked for (`batches[i]`), not all up front: an
     epoch of a million short rows would otherwise cost minutes and gigabytes of tensors before the first step.
@@ -156,30 +167,73 @@ class EpochBatches:
         return collate(part, self.pad_id)
 
 
-def packing_efficiency(examples: list[dict], max_len: int) -> float:
+def packing_efficiency(examples, max_len: int) -> float:
     """Real tokens / (packed rows x max_len): the share of a packed row's slots that hold data."""
-    return _efficiency(pack(examples, max_len), max_len)
+    return _efficiency(_row_lengths(pack(examples, max_len)), max_len)
 
 
-def _efficiency(rows: list[dict], max_len: int) -> float:
-    return round(sum(len(r["input_ids"]) for r in rows) / max(len(rows) * max_len, 1), 4)
+def _row_lengths(items) -> list[int]:
+    return [len(x["input_ids"]) for x in items]
 
 
-def padding_fraction(items: list[dict], batch_size: int) -> float:
+def _efficiency(lengths: list[int], max_len: int) -> float:
+    return round(sum(lengths) / max(len(lengths) * max_len, 1), 4)
+
+
+def padding_fraction(items, batch_size: int) -> float:
     """Share of the positions in right-padded batches of `items` (examples, or packed rows) that are
     padding: what a batch computes for nothing."""
+    return _padding(_row_lengths(items), batch_size)
+
+
+def _padding(lengths: list[int], batch_size: int) -> float:
     total = real = 0
-    for i in range(0, len(items), batch_size):
-        lengths = [len(x["input_ids"]) for x in items[i: i + batch_size]]
-        total, real = total + len(lengths) * max(lengths), real + sum(lengths)
+    for i in range(0, len(lengths), batch_size):
+        part = lengths[i: i + batch_size]
+        total, real = total + len(part) * max(part), real + sum(part)
     return round(1 - real / max(total, 1), 4)
 
 
-def batch_stats(examples: list[dict], batch_size: int, max_len: int) -> dict:
+# The packing figures pack this many examples at a time: best fit keeps a small record per packed row,
+# bounded by the window; within 65536 short examples it leaves no more room unused than across all of them.
+STATS_WINDOW = 65536
+
+
+def packed_lengths(lengths, max_len: int) -> list[int]:
+    """The lengths of pack()'s rows, in pack()'s order, from the examples' lengths alone (a numpy array):
+    the same best fit, run over a list column that holds each example's number (in Arrow, 4 bytes a token)
+    instead of its tokens. Equal to pack() up to STATS_WINDOW examples; beyond, window by window."""
+    import numpy as np
+    import pyarrow as pa
+    from datasets import Dataset
+    from trl import pack_dataset
+
+    out = []
+    for start in range(0, len(lengths), STATS_WINDOW):
+        n = lengths[start: start + STATS_WINDOW]
+        n = np.minimum(n[n > 0], max_len).astype(np.int32)  # as pack(): empty examples out, long ones cut
+        if not len(n):
+            continue
+        docs = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)),
+                                        pa.array(np.repeat(np.arange(len(n), dtype=np.int32), n)))
+        with _quiet():
+            packed = pack_dataset(Dataset.from_dict({"input_ids": docs}), max_len, strategy="bfd",
+                                  map_kwargs={"batch_size": len(n)})
+        col = packed.with_format("arrow")[:]["input_ids"].combine_chunks()
+        offsets = col.offsets.to_numpy()
+        offsets = offsets - offsets[0]
+        first = np.minimum.reduceat(col.flatten().to_numpy(), offsets[:-1])  # each row's earliest example
+        out += np.diff(offsets)[np.argsort(first, kind="stable")].tolist()
+    return out
+
+
+def batch_stats(examples, batch_size: int, max_len: int) -> dict:
     """Packed vs padded, for the same examples and batch size (dynamic padding pads each batch to its
-    longest example; packing pads each batch of rows to its longest row)."""
-    rows = pack(examples, max_len)
+    longest example; packing pads each batch of rows to its longest row). From the examples' lengths
+    only: the figures for millions of examples hold no copy of their tokens."""
+    lengths = lengths_of(examples)
+    rows = packed_lengths(lengths, max_len)
     return {"packed_rows": len(rows),
             "packing_efficiency": _efficiency(rows, max_len),
-            "padding_fraction_packed": padding_fraction(rows, batch_size),
-            "padding_fraction_unpacked": padding_fraction(examples, batch_size)}
+            "padding_fraction_packed": _padding(rows, batch_size),
+            "padding_fraction_unpacked": _padding(lengths.tolist(), batch_size)}

@@ -202,7 +202,8 @@ def _token_list(row: dict, key: str, allow_ignore: bool) -> str | None:
     if not isinstance(v, list) or not v:
         return f"field '{key}' must be a non-empty list of token ids, got {type(v).__name__}"
     for i, t in enumerate(v):
-        if type(t) is not int or (t < 0 and not (allow_ignore and t == -100)):
+        # Ids are cached as int32 (prepare._features): no vocabulary comes near 2**31.
+        if type(t) is not int or t >= 1 << 31 or (t < 0 and not (allow_ignore and t == -100)):
             return f"{key}[{i}] must be a token id (an integer >= 0{' or -100' if allow_ignore else ''}), got {t!r}"
     return None
 

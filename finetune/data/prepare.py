@@ -2,27 +2,33 @@
 encoded (cached), filtered by the length policy, with stats.
 
 Tokenizing is cached (datasets arrow files keyed by a fingerprint of rows, tokenizer and options), so a
-second run or the other ranks of a node skip it.
+second run or the other ranks of a node skip it. The encoded examples stay in that file, memory-mapped
+(examples.Examples): every figure here is computed over it in batches, so preparing holds the rows' texts
+and a few integers per row, not the token ids (docs/robustness.md, the scale section).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+from array import array
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from finetune.data.encode import ENCODER_VERSION, IGNORE, chat_template, encode_all
+from finetune.data.examples import Examples, scan
 from finetune.data.explain import length_figures, length_lines
 from finetune.data.formats import BadRows
-from finetune.data.sources import read_source
+from finetune.data.mixing import Rows, read_all
 from finetune.recipe import DataSpec
 from finetune.util.errors import RecipeError
 
 
 @dataclass
 class Prepared:
-    train: list[dict]
-    eval: list[dict]
+    train: Sequence[dict]  # Examples over the cache file (a list of dicts where tests build one)
+    eval: Sequence[dict]
     eval_rows: list[dict]  # raw held-out rows, aligned with `eval`, for exact match
     stats: dict = field(default_factory=dict)
 
@@ -36,14 +42,35 @@ def _tokenizer_fingerprint(tok) -> list:
             tok.chat_template, tok.bos_token_id, tok.eos_token_id, tok.special_tokens_map]
 
 
-def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec) -> dict:
+# Rows per map batch, and so per record batch of the cache file. Opening the file (datasets memory-maps
+# it) reads every batch's header and the kernel maps the pages read ahead around each: with 256-row
+# batches that was most of the file, resident from then on (49 of 85 MB for 200,000 short rows; measured
+# in /proc/self/smaps); 10,000-row batches leave none of it (one batch is ~10 MB of Python lists meanwhile).
+WRITER_BATCH = 10_000
+
+
+def _features():
+    """The cache file's column types: token ids as int32 (every vocabulary fits), half the bytes of the
+    int64 that would be inferred, so the file and the pages read from it are smaller."""
+    from datasets import Features, List, Value
+
+    ids = List(Value("int32"))
+    return Features({"input_ids": ids, "labels": ids, "rejected_ids": ids, "rejected_labels": ids,
+                     "where": Value("string"), "error": Value("string"), "row": Value("int64"),
+                     "parts": Value("int32"), "turns": Value("int32"), "check": Value("string"),
+                     "length": Value("int64")})
+
+
+def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec, rows: Rows) -> dict:
+    """Encodes the rows numbered in batch["n"], their texts read from `rows` here: the map's input is the
+    row numbers alone, so the texts are never copied into a shuffled second table."""
     import jinja2
 
     keys = ("input_ids", "labels", "rejected_ids", "rejected_labels", "where", "error", "row", "parts", "turns",
             "check", "length")
     out = {k: [] for k in keys}
     cut = spec.max_seq_len + 1
-    for text, fmt, index in zip(batch["row"], batch["fmt"], indices):
+    for (text, fmt), index in zip(rows.texts_of(batch["n"]), indices):
         row = json.loads(text)
         try:
             examples, err = encode_all(row, fmt, tok, spec), ""
@@ -61,20 +88,31 @@ def _encode_batch(batch: dict, indices: list[int], tok, spec: DataSpec) -> dict:
     return out
 
 
-def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str) -> list[dict]:
-    """Tokenize (format, row) pairs through `datasets.Dataset.map`, cached under the finetune cache by a
-    fingerprint of the rows, the tokenizer and the options that change the result. Failed rows come back
-    with an `error` and empty ids. A row may give several examples (a chat whose template rewrites history):
-    each names its pair (`row`), how many its row gave (`parts`) and its chat turns checked (`turns`, `check`)."""
+def _texts_digest(rows: Rows, order: array) -> str:
+    """A digest of the texts and formats of the rows numbered in `order`, in order, read in chunks (the rows
+    are never one string)."""
+    h = hashlib.sha256()
+    for start in range(0, len(order), 65536):
+        for text, fmt in rows.texts_of(order[start: start + 65536]):
+            h.update(f"{fmt}\0{text}\n".encode("utf-8", "surrogatepass"))
+    return h.hexdigest()
+
+
+def encode_cached(rows: Rows, order: array, tok, spec: DataSpec, what: str):
+    """Tokenize the rows numbered in `order` through `datasets.Dataset.map`, cached under the finetune cache
+    by a fingerprint of the rows, the tokenizer and the options that change the result. Returns the encoded
+    Dataset: memory-mapped from the cache file, or in memory (Arrow, still compact) where the cache cannot
+    be written. Failed rows come back with an `error` and empty ids. A row may give several examples (a
+    chat whose template rewrites history): each names its position in `order` (`row`), how many its row
+    gave (`parts`) and its chat turns checked (`turns`, `check`)."""
     import datasets
+    import numpy as np
     from datasets.fingerprint import Hasher
 
     from finetune.plan.disk import data_cache_cap, data_cache_dir, probe_writable
 
-    texts = [json.dumps(r, ensure_ascii=False, sort_keys=True, default=str) for _, r in pairs]
-    fmts = [f for f, _ in pairs]
-    key = Hasher.hash([ENCODER_VERSION, texts, fmts, _tokenizer_fingerprint(tok), spec.train_on_inputs,
-                       chat_template(spec, tok), spec.max_seq_len, spec.prompt_template])
+    key = Hasher.hash([ENCODER_VERSION, _texts_digest(rows, order), _tokenizer_fingerprint(tok),
+                       spec.train_on_inputs, chat_template(spec, tok), spec.max_seq_len, spec.prompt_template])
     cache = data_cache_dir() / f"{what}-{key}.arrow"
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -88,23 +126,25 @@ def encode_cached(pairs: list[tuple[str, dict]], tok, spec: DataSpec, what: str)
                     "FINETUNE_CACHE to a writable directory)")
     elif cache.exists():
         os.utime(cache)  # recently used: kept by the pruning below
-    ds = datasets.Dataset.from_dict({"row": texts, "fmt": fmts})
-    out = ds.map(_encode_batch, batched=True, with_indices=True, batch_size=256, fn_kwargs={"tok": tok, "spec": spec},
-                 remove_columns=["row", "fmt"], cache_file_name=None if unusable else str(cache),
-                 keep_in_memory=bool(unusable), new_fingerprint=key, desc=f"tokenizing {what} rows")
+    ds = datasets.Dataset.from_dict({"n": np.frombuffer(order, dtype=np.int64)})
+    # Without a cache the examples stay in memory (keep_in_memory): Arrow buffers, not Python lists, so
+    # still compact, but on the heap rather than memory-mapped.
+    out = ds.map(_encode_batch, batched=True, with_indices=True, batch_size=WRITER_BATCH, writer_batch_size=WRITER_BATCH,
+                 fn_kwargs={"tok": tok, "spec": spec, "rows": rows}, remove_columns=["n"], features=_features(),
+                 cache_file_name=None if unusable else str(cache), keep_in_memory=bool(unusable),
+                 new_fingerprint=key, desc=f"tokenizing {what} rows")
     if not unusable:
         _USED.add(cache)
         prune_cache(cache.parent, _USED, data_cache_cap())
-    cols = out.to_dict()
-    del ds, out
+    del ds
     _release_arrow_memory()
-    return [dict(zip(cols, vals)) for vals in zip(*cols.values())]
+    return out
 
 
 def _release_arrow_memory() -> None:
-    """Hand the arrow buffers of the map back to the OS. The rows are Python lists now; pyarrow's allocator
-    (mimalloc) would otherwise keep the freed pages for the rest of the run: measured 9-13 MiB of peak RSS
-    on the tiny recipe's 4000 rows (benchmarks/trl_sft.py)."""
+    """Hand the arrow buffers of the map's input and batches back to the OS: pyarrow's allocator (mimalloc)
+    would otherwise keep the freed pages for the rest of the run: measured 9-13 MiB of peak RSS on the tiny
+    recipe's 4000 rows (benchmarks/trl_sft.py)."""
     import pyarrow
 
     pyarrow.default_memory_pool().release_unused()
@@ -146,34 +186,35 @@ def _outside_vocab(ex: dict, vocab_size: int) -> str | None:
     return None
 
 
-def _keep(examples: list[dict], spec: DataSpec, bad: BadRows, counts: dict, vocab_size: int | None = None) -> list[int]:
-    """Indices of examples that train, after bad rows and the length policy (counted in `counts`). With
-    `vocab_size`, a token id the model's embedding does not have makes the row bad (on a GPU it would
-    stop the run with a device-side assert, far from the row that caused it)."""
-    kept = []
-    for i, ex in enumerate(examples):
-        err = ex.pop("error")
-        if not err and vocab_size:
-            err = _outside_vocab(ex, vocab_size)
-        if err:
-            bad.add(ex["where"], err)
-            continue
-        pair = bool(ex.get("rejected_ids"))
-        if not pair:  # a preference pair's rejected side exists only in pairs
-            ex.pop("rejected_ids", None), ex.pop("rejected_labels", None)
-        counts["lengths"].append(ex.pop("length"))
-        cut = max(len(ex["input_ids"]), len(ex.get("rejected_ids", ()))) > spec.max_seq_len
-        if cut:
-            if spec.overlong == "drop":
+def _keep(ds, spec: DataSpec, bad: BadRows, counts: dict, vocab_size: int | None = None) -> array:
+    """Row numbers of the encoded examples in `ds` that train, after bad rows and the length policy (counted
+    in `counts`; each kept example's untruncated length appended to counts["lengths"]), read in batches.
+    With `vocab_size`, a token id the model's embedding does not have makes the row bad (on a GPU it would
+    stop the run with a device-side assert, far from the row that caused it). Truncation happens when the
+    examples are read (examples.Examples)."""
+    kept, n = array("q"), 0
+    for batch in scan(ds):
+        for ex in (dict(zip(batch, vals)) for vals in zip(*batch.values())):
+            n += 1
+            err = ex["error"]
+            if not err and vocab_size:
+                err = _outside_vocab(ex, vocab_size)
+            if err:
+                bad.add(ex["where"], err)
+                continue
+            pair = bool(ex["rejected_ids"])  # a preference pair's rejected side exists only in pairs
+            counts["lengths"].append(ex["length"])
+            cut = max(len(ex["input_ids"]), len(ex["rejected_ids"])) > spec.max_seq_len
+            if cut and spec.overlong == "drop":
                 counts["dropped_overlong"] += 1
                 continue
-            for k in ("input_ids", "labels", "rejected_ids", "rejected_labels")[: 4 if pair else 2]:
-                ex[k] = ex[k][: spec.max_seq_len]
-        if all(t == IGNORE for t in ex["labels"][1:]) or (pair and all(t == IGNORE for t in ex["rejected_labels"][1:])):
-            counts["prompt_fills_max_seq_len" if cut else "no_trained_tokens"] += 1
-            continue
-        counts["truncated"] += cut
-        kept.append(i)
+            labels = ex["labels"][: spec.max_seq_len]
+            rejected = ex["rejected_labels"][: spec.max_seq_len]
+            if all(t == IGNORE for t in labels[1:]) or (pair and all(t == IGNORE for t in rejected[1:])):
+                counts["prompt_fills_max_seq_len" if cut else "no_trained_tokens"] += 1
+                continue
+            counts["truncated"] += cut
+            kept.append(n - 1)
     return kept
 
 
@@ -194,43 +235,11 @@ def check_method(prepared: "Prepared", method: str) -> None:
 # ----------------------------------------------------------------------------------- preparing
 
 
-def _weighted(rows: list, weight: float, rng: random.Random) -> list:
-    """weight x rows: whole copies, plus a seeded sample for the fraction."""
-    whole, frac = int(weight), weight - int(weight)
-    return rows * whole + rng.sample(rows, round(frac * len(rows)))
-
-
-def _read_all(spec: DataSpec, bad: BadRows, rng: random.Random, vocab_size: int | None = None):
-    """(train pairs, eval pairs, per-source stats). Each source is split before weighting, so a repeated
-    row can never sit on both sides of the split."""
-    train, held, per_source = [], [], []
-    for i, src in enumerate(spec.sources):
-        fmt, rows = read_source(src, bad, f"data.sources[{i}]", vocab_size)
-        rng.shuffle(rows)
-        n_eval = 0
-        if not spec.eval_sources and spec.eval_split > 0 and len(rows) > 1:
-            n_eval = min(len(rows) - 1, max(1, round(len(rows) * spec.eval_split)))
-            held += [(fmt, r) for r in rows[:n_eval]]
-        mixed = _weighted(rows[n_eval:], src.weight, rng)
-        train += [(fmt, r) for r in mixed]
-        per_source.append({"path": src.path, "format": fmt, "rows_read": len(rows), "rows_eval": n_eval,
-                           "rows_train": len(mixed), "weight": src.weight})
-    for i, src in enumerate(spec.eval_sources):
-        fmt, rows = read_source(src, bad, f"data.eval_sources[{i}]", vocab_size)
-        held += [(fmt, r) for r in rows]
-    if len(spec.sources) > 1:  # interleave the sources (one source is already in shuffled order)
-        rng.shuffle(train)
-    return train[: spec.max_samples] if spec.max_samples else train, held, per_source
-
-
-def _check_templates(pairs, spec: DataSpec, tok):
-    chat = any(f in ("messages", "sharegpt") or (f in ("prompt_completion", "preference", "auto")
-                                                 and isinstance(r.get("prompt", r.get("chosen")), list))
-               for f, r in pairs)
+def _check_templates(rows: Rows, spec: DataSpec, tok):
     if spec.prompt_template == "chat" and not chat_template(spec, tok):
         raise RecipeError(["data.prompt_template: chat renders rows with a chat template and the tokenizer has none; "
                            "set data.chat_template (a Jinja template or `chatml`) or data.prompt_template: raw"])
-    if chat and not chat_template(spec, tok):
+    if rows.any_chat() and not chat_template(spec, tok):
         raise RecipeError(["data.chat_template: the data has chat rows but the tokenizer has no chat template; "
                            "set data.chat_template to a Jinja template or `chatml`"])
 
@@ -239,42 +248,54 @@ def prepare(spec: DataSpec, tok, vocab_size: int | None = None) -> Prepared:
     """All sources -> mixed, shuffled, split, encoded (cached) train and eval examples, plus stats.
     `vocab_size` (the model's, when known) sizes synthetic token sources and bounds every row's ids."""
     bad = BadRows(spec.on_bad_row)
-    train_pairs, eval_pairs, per_source = _read_all(spec, bad, random.Random(spec.shuffle_seed), vocab_size)
-    _check_templates(train_pairs + eval_pairs, spec, tok)
+    rows = read_all(spec, bad, random.Random(spec.shuffle_seed), vocab_size)
+    _check_templates(rows, spec, tok)
     counts = {"truncated": 0, "dropped_overlong": 0, "prompt_fills_max_seq_len": 0, "no_trained_tokens": 0,
-              "lengths": []}
-    train = encode_cached(train_pairs, tok, spec, "train")
-    train = [train[i] for i in _keep(train, spec, bad, counts, vocab_size)]
-    evals = encode_cached(eval_pairs, tok, spec, "eval") if eval_pairs else []
-    kept = _keep(evals, spec, bad, {**counts, "lengths": []}, vocab_size)
+              "lengths": array("q")}
+    encoded = encode_cached(rows, rows.train, tok, spec, "train")
+    train = Examples(encoded, _keep(encoded, spec, bad, counts, vocab_size), spec.max_seq_len)
+    evals, eval_rows = [], []
+    if rows.held:
+        encoded = encode_cached(rows, rows.held, tok, spec, "eval")
+        evals = Examples(encoded, _keep(encoded, spec, bad, {**counts, "lengths": array("q")}, vocab_size),
+                         spec.max_seq_len)
+        # The raw held-out rows, for exact match: only these few are dicts again.
+        eval_rows = [rows.row(rows.held[e["row"]]) for e in evals]
     counts.update(length_figures(counts.pop("lengths")))
-    evals, eval_rows = [evals[i] for i in kept], [eval_pairs[evals[i]["row"]][1] for i in kept]
     bad.check()
     if not train:
         raise RecipeError(["data: no training examples left after reading and filtering"
                            + (f" ({len(bad)} bad rows, first: {bad.first(1)[0]})" if bad else "")]
                           + length_lines(counts, spec.max_seq_len))
-    # No packing statistics here: they pack every row (a second copy of the data, and trl imported) for a
-    # figure only `finetune data` shows, and it computes them itself (batching.batch_stats).
+    # No packing statistics here: they pack every row (trl imported) for a figure only `finetune data`
+    # shows, and it computes them itself (batching.batch_stats).
     stats = {"rows": len(train), "eval_rows": len(evals), "rows_skipped": len(bad), "bad_rows": bad.first(5),
-             **counts, **token_stats(train), **chat_stats(train), "sources": per_source}
+             **counts, **token_stats(train), **chat_stats(train), "sources": rows.per_source}
     return Prepared(train, evals, eval_rows, stats)
 
 
-def token_stats(examples: list[dict]) -> dict:
-    """tokens, trained tokens (labels[1:] != -100, what the shifted loss counts) and lengths."""
-    lengths = [len(e["input_ids"]) for e in examples]
-    return {"tokens": sum(lengths), "trained_tokens": sum(sum(t != IGNORE for t in e["labels"][1:]) for e in examples),
-            "max_length": max(lengths, default=0), "mean_length": round(sum(lengths) / max(len(lengths), 1), 2)}
+def token_stats(examples: Sequence[dict]) -> dict:
+    """tokens, trained tokens (labels[1:] != -100, what the shifted loss counts) and lengths, in one pass."""
+    n = tokens = trained = longest = 0
+    for e in examples:
+        length = len(e["input_ids"])
+        n, tokens, longest = n + 1, tokens + length, max(longest, length)
+        trained += sum(t != IGNORE for t in e["labels"][1:])
+    return {"tokens": tokens, "trained_tokens": trained, "max_length": longest,
+            "mean_length": round(tokens / max(n, 1), 2)}
 
 
-
-def chat_stats(examples: list[dict]) -> dict:
+def chat_stats(examples: Sequence[dict]) -> dict:
     """The inference-rendering check over the chat examples (chat.py): trained turns checked, those whose
     tokens differ (first five named), and the rows a history-rewriting template split into several examples."""
-    bad = [f"{e['where']}: {e['check']}" for e in examples if e.get("check")]
-    split = {e["row"] for e in examples if e.get("parts", 1) > 1}
-    return {"chat_turns_checked": sum(e.get("turns", 0) for e in examples),
-            "chat_turns_differing": sum(e["check"].count("; ") + 1 for e in examples if e.get("check")),
-            "chat_differing": bad[:5], "chat_rows_split": len(split),
-            "chat_split_examples": sum(1 for e in examples if e.get("parts", 1) > 1)}
+    bad, split, turns, differing, split_examples = [], set(), 0, 0, 0
+    for e in examples:
+        turns += e.get("turns", 0)
+        if e.get("check"):
+            differing += e["check"].count("; ") + 1
+            bad.append(f"{e['where']}: {e['check']}")
+        if e.get("parts", 1) > 1:
+            split.add(e["row"])
+            split_examples += 1
+    return {"chat_turns_checked": turns, "chat_turns_differing": differing, "chat_differing": bad[:5],
+            "chat_rows_split": len(split), "chat_split_examples": split_examples}

@@ -146,7 +146,16 @@ def iter_rows(src: DataSource, bad: BadRows, vocab_size: int | None = None) -> I
 def read_source(src: DataSource, bad: BadRows, label: str, vocab_size: int | None = None) -> tuple[str, list[dict]]:
     """(format, checked rows) of one source: fields renamed, format detected from the first row (unless
     declared), every row checked against it, at most `max_samples` good rows (in file order)."""
-    fmt, rows, bad_before = src.format, [], len(bad)
+    fmt, rows = src.format, []
+    for fmt, row in checked_rows(src, bad, label, vocab_size):
+        rows.append(row)
+    return fmt, rows
+
+
+def checked_rows(src: DataSource, bad: BadRows, label: str, vocab_size: int | None = None) -> Iterator[tuple[str, dict]]:
+    """read_source one row at a time, as (format, row): a caller that keeps each row compactly never holds
+    them all as dicts (2 million short rows are about 1 GB of dicts)."""
+    fmt, n, bad_before = src.format, 0, len(bad)
     rename = {old: new for new, old in src.fields.items()}
     from datasets.utils import tqdm  # honours datasets' progress-bar switch; silent when not a terminal
 
@@ -164,12 +173,12 @@ def read_source(src: DataSource, bad: BadRows, label: str, vocab_size: int | Non
         if why:
             bad.add(row["_where"], f"{why} (format {fmt})")
             continue
-        rows.append(row)
-        if src.max_samples and len(rows) >= src.max_samples:
+        n += 1
+        yield fmt, row
+        if src.max_samples and n >= src.max_samples:
             break
     bad.check()  # error mode: stop here with every bad row of this source
-    if not rows:
+    if not n:
         n_bad = len(bad) - bad_before
         why = f"no usable rows ({n_bad} bad, first: {bad.items[bad_before]})" if n_bad else "no rows"
         raise RecipeError([f"{label}: {src.path}: {why}"])
-    return fmt, rows

@@ -345,8 +345,7 @@ def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int
     """This rank's micro-batches for an epoch. The order depends only on (shuffle_seed, epoch), so a
     resumed run sees the same data, and each global batch is split across ranks. `layout` is the packing
     layout the attention backend supports (data.packing_layout), None for dynamic padding."""
-    order = list(examples)
-    random.Random(spec.data.shuffle_seed * 1000 + epoch).shuffle(order)
+    order = batching.shuffled(examples, random.Random(spec.data.shuffle_seed * 1000 + epoch))
     if layout:
         order = batching.pack(order, spec.data.max_seq_len)
     # Collated lazily, one micro-batch when the loop reaches it (data.batching.EpochBatches).

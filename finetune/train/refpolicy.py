@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from finetune.data.batching import collate_pairs
+from finetune.data.examples import attach
 from finetune.train.loss import batch_kernels
 from finetune.train.preference import sequence_logps
 from finetune.util import atomic
@@ -64,8 +65,7 @@ def attach_reference(run) -> None:
             atomic.write_text(path, json.dumps(stored))
         run.acc.wait_for_everyone()
     for examples, refs in ((run.prepared.train, stored["train"]), (run.prepared.eval, stored["eval"])):
-        for ex, ref in zip(examples, refs, strict=True):
-            ex["ref"] = tuple(ref)
+        attach(examples, "ref", [tuple(ref) for ref in refs])
 
 
 @torch.no_grad()
