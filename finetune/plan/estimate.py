@@ -27,7 +27,7 @@ FRAGMENTATION = 0.10  # caching-allocator slack on top of what tensors occupy
 PROCESS_RAM = 3 * GiB // 2  # resident size of one Python process with torch, CUDA libs and transformers
 # ... without CUDA: a CPU run's process holds its tensors in RAM besides this (measured: the tiny recipe's
 # process, 2.6M parameters, peaks at 0.50 GiB RSS loading and 0.56 GiB training; RUN_DIR/memory.json)
-CPU_PROCESS_RAM = GiB // 2
+CPU_PROCESS_RAM, CPU_START_RSS = GiB // 2, 23 * GiB // 100  # ... of which 0.23 GiB right after its imports
 SHARD_FILE = 5 * 10**9  # hub checkpoints are cut in ~5 GB safetensors shards; loading holds one at a time
 BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit optimizer state for tensors smaller than this
 
