@@ -250,7 +250,7 @@ def _fsdp_buffers(arch: Arch, s: Setup, w: dict, shard: int) -> int:
     keep_all = s.reshard_after_forward is False or s.sharding == "SHARD_GRAD_OP"
     layers = arch.layers if keep_all else 2
     grads = 2 * w["lora"] // arch.layers  # unsharded gradients before reduce-scatter
-    if s.tables_whole and not s.offload:  # tables whole on every rank (parallel.replicated_modules)
+    if loading.tables_whole(s, shard):  # tables whole on every rank (parallel.replicated_modules)
         return layers * per_layer + grads  # FSDP2 gathers into buffers of their own, on one process too
     local = 0 if s.offload else w["unquantized"] // shard  # the local shard is already counted on the GPU
     return layers * per_layer + grads + w["unquantized"] - local
@@ -269,8 +269,8 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     # bnb's quant state is not a parameter: every rank holds it all (torchao's NF4 shards it: Setup)
     bd["quant_constants"] = -(-w["quant_constants"] // shard) if s.quant_state_sharded else w["quant_constants"]
     bd["unquantized"] = on_gpu * -(-(w["unquantized"] - embedding_on_cpu(arch, s)) // shard)
-    if s.strategy == "fsdp" and s.tables_whole and not s.offload:  # frozen tables whole on every rank
-        tables = arch.vocab * arch.hidden * (1 if arch.tied else 2) * DTYPE_BYTES[s.model_dtype]
+    tables = loading.whole_table_bytes(arch, s, DTYPE_BYTES, shard)  # frozen tables whole on every rank
+    if tables:
         bd["unquantized"] = on_gpu * (tables + -(-(w["unquantized"] - tables) // shard))
     bd["lora"] = on_gpu * -(-w["lora"] // shard)
     grads = -(-w["lora"] // shard)

@@ -41,6 +41,13 @@ def tables_whole(s, shard: int) -> bool:
     return shard > 1 and s.strategy == "fsdp" and getattr(s, "tables_whole", True) and not s.offload
 
 
+def whole_table_bytes(arch: Arch, s, dtype_bytes: dict, shard: int) -> int:
+    """Bytes of the tables each rank holds whole (0 when FSDP shards them, or nothing is sharded)."""
+    if not tables_whole(s, shard):
+        return 0
+    return arch.vocab * arch.hidden * (1 if arch.tied else 2) * dtype_bytes[s.model_dtype]
+
+
 def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int, four_bit_kind: bool) -> tuple[int, int]:
     """(bytes in flight on the reader for the biggest tensor, bytes a receiver holds for it) among the 4-bit
     targets or the plain tensors (`four_bit_kind`), `shard` the FSDP shard count (1: whole)."""
@@ -78,7 +85,7 @@ def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader:
     """Peak bytes one process holds while loading (on its device: the GPU, or RAM in a CPU run), beyond
     what it held before. `w`: estimate.weight_terms; `shard`: the FSDP shard count (1: whole)."""
     on_device = 0 if s.offload else 1  # FSDP's CPU offload keeps the shards in RAM (machine_bytes)
-    tables = arch.vocab * arch.hidden * (1 if arch.tied else 2) * dtype_bytes[s.model_dtype] if tables_whole(s, shard) else 0
+    tables = whole_table_bytes(arch, s, dtype_bytes, shard)
     plain = on_device * (tables + -(-(w["unquantized"] - tables) // shard))
     # Under FSDP the adapters are attached to CPU placeholders, so they reach the device sharded; whole
     # otherwise. The quantization state is whole on every rank.
