@@ -38,6 +38,10 @@ STAGES = [
     ("fp16", "fp16 with loss scaling, a stop between micro-batches", 60, 60, 180),
     ("fsdp2_trace", "FSDP2 world 1, 2 steps under torch's allocator trace: what is alive at the peak", 60, 40, 180),
     ("syncs", "host synchronisations per optimizer step (4 micro-batches), one process and FSDP2", 70, 60, 200),
+    ("moe", "Qwen3-30B-A3B widths (128 experts, 4 layers), experts 4-bit with LoRA on them: train, plan, eval",
+     90, 60, 240),
+    ("adapters", "DoRA beside LoRA on the 4-layer 8B-width model, one process: tokens/s and memory vs plan", 80, 60, 240),
+    ("preference", "DPO and ORPO through the loop on the builtin pairs, then eval's preference accuracy", 90, 80, 240),
 ]
 FILES = ("results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log")
 

@@ -47,6 +47,19 @@ def _mem_rows(memory: dict, plan: dict | None = None) -> list[str]:
     return rows
 
 
+def _run_rows(label: str, r: dict) -> list[str]:
+    """One training run of the method stages: rate, loss, plan beside measured, eval, memory per phase."""
+    p = r["plan"]
+    out = [f"### {label}", "",
+           f"- {_f(r['trained_tokens_per_s'], 0)} trained tokens/s ({r['s_per_step']} s/step over {r['timed_steps']} "
+           f"timed steps); loss {r['first_loss']} -> {r['last_loss']}, finite: {r['losses_finite']}",
+           f"- plan: peak allocated {p['allocated_gib']:.2f} GiB, reserved {p['reserved_gib']:.2f} GiB, loading "
+           f"{p['loading_gib']:.2f} GiB; error vs measured (%): {r['errors_pct']}"]
+    if "eval" in r:
+        out.append(f"- eval: {r['eval']}")
+    return out + [""] + _mem_rows(r["memory"]) + [""]
+
+
 def _section(name: str, r: dict, results: dict) -> list[str]:
     if name == "env":
         keys = ["transformers_ok", "bnb_library", "quantize_4bit_bytes_equal_cpu", "matmul_4bit_rel_err",
@@ -98,4 +111,11 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
         return out
     if name == "trl":
         return [f"- TRL: {r['trl']}", f"- finetune over TRL: {r.get('finetune_over_trl')}"]
+    if name == "moe":
+        return _run_rows("moe", r)
+    if name in ("adapters", "preference"):
+        out = []
+        for run, v in r.items():
+            out += _run_rows(run, v) if isinstance(v, dict) and "memory" in v else [f"- {run}: {v}"]
+        return out
     return [f"- {k}: {v}" for k, v in r.items()]

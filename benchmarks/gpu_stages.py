@@ -218,10 +218,21 @@ def stage_models(work: Path, sh_: dict) -> dict:
     return out
 
 
+def built(model: str, log: Path) -> None:
+    """A synthetic model is built in a process of its own before a run uses it: drawn inside the run, its
+    weights' blocks would stay in the run's allocator and its load phase's figures."""
+    from finetune.util import synthetic_names
+
+    if synthetic_names.is_synthetic(model) and not (synthetic_names.cache_dir(model) / ".complete").exists():
+        must(sh([sys.executable, "-c", f"from finetune.weights.synthetic import synthetic_dir; synthetic_dir({model!r})"],
+                log=log), f"building {model}")
+
+
 def _train_and_read(rec: dict, work: Path, name: str, sh_: dict, launcher=finetune) -> dict:
     run = work / name
     path = write_recipe(rec, work / f"{name}.yaml")
     log = work / "commands.log"
+    built(rec["model"]["name"], log)
     t0 = time.perf_counter()
     must(sh(launcher(str(path)), log=log), f"training {name}")
     records = read_jsonl(run / "metrics.jsonl")
@@ -443,6 +454,9 @@ STAGES = {"env": stage_env, "models": stage_models, "single": stage_single,
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.gpu_methods import STAGES as methods  # it imports this module's helpers
+
+    STAGES.update(methods)
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_stages")
     ap.add_argument("stage", choices=list(STAGES))
     ap.add_argument("--work", type=Path, required=True)
