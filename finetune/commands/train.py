@@ -48,9 +48,11 @@ def run(a) -> int:
         raise RecipeError([replaced], a.recipe)
     from finetune.train.keepers.summary import summary
     from finetune.train.loop import train
+    from finetune.train.parallel import leave_process_group
     from finetune.util.log import is_main
 
     result = train(recipe, Path(recipe.output.dir))
+    leave_process_group()
     if is_main():  # the run dir's files are the main process's to read
         log.info("\n".join(summary(Path(recipe.output.dir), result, time.perf_counter() - t0)))
     return 0

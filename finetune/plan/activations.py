@@ -27,6 +27,27 @@ def targeted(arch: Arch, targets) -> list:
     return [x for x in arch.linears() if x.name in wanted]
 
 
+RESIDUAL_WRITERS = {"o_proj", "down_proj", "dense", "dense_4h_to_h"}  # linears whose output joins the residual
+MLP_INPUTS = {"gate_proj", "up_proj", "gate_up_proj", "dense_h_to_4h"}
+
+
+def dora_promotes(arch: Arch, s, names: set) -> bool:
+    """Whether a DoRA adapter on one of `names` hands back fp32. On CUDA peft runs DoRA under autocast
+    without casting back: its magnitude scale (lora.dtype float32) times the base output (bf16) promotes, so
+    the layer's output is fp32 and so is whatever adds it (measured on an H100: 4-layer 8B widths at 2 x 2048,
+    DoRA steps 6.01 GiB where the bf16 plan said 5.17; benchmarks/RESULTS_GPU.md). On CPU peft casts the
+    adapter's sum back to the input's dtype."""
+    return (getattr(s, "use_dora", False) and s.device == "cuda"
+            and DTYPE_BYTES[s.lora_dtype] > MP_BYTES[s.mixed_precision]
+            and bool(names & {x.name for x in targeted(arch, s.lora_targets)}))
+
+
+def residual_bytes(arch: Arch, s) -> int:
+    """Bytes per element of the residual stream between layers: the model dtype, or fp32 once a promoting
+    DoRA output (o_proj, down_proj) is added to it."""
+    return 4 if dora_promotes(arch, s, RESIDUAL_WRITERS) else DTYPE_BYTES[s.model_dtype]
+
+
 def targeted_experts(arch: Arch, s) -> list:
     """The fused expert parameters that carry adapters (lora.target_parameters)."""
     wanted = getattr(s, "lora_expert_targets", "auto")
@@ -108,11 +129,14 @@ def lean(arch: Arch, s) -> bool:
     return s.lean_modules and arch.model_type in LEAN_TYPES
 
 
-def mlp_bytes(s) -> int:
+def mlp_bytes(arch: Arch, s) -> int:
     """Bytes per element of the MLP's intermediate activations. On CUDA, autocast runs peft's adapter in
-    the compute dtype, so base + adapter outputs stay half precision; on CPU peft computes the adapter in
-    its own dtype (no CUDA autocast) and the sum is promoted to the stored dtype."""
-    return MP_BYTES[s.mixed_precision] if s.device == "cuda" else DTYPE_BYTES[s.model_dtype]
+    the compute dtype, so base + adapter outputs stay half precision (fp32 when a DoRA adapter promotes
+    them); on CPU peft computes the adapter in its own dtype (no CUDA autocast) and the sum is promoted to
+    the stored dtype."""
+    if s.device != "cuda":
+        return DTYPE_BYTES[s.model_dtype]
+    return 4 if dora_promotes(arch, s, MLP_INPUTS) else MP_BYTES[s.mixed_precision]
 
 
 def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
@@ -121,7 +145,7 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
     cb = MP_BYTES[s.mixed_precision]
     if lean(arch, s):
         # finetune.train.lean: each norm keeps its input; the first one's is the checkpointed layer input
-        total = (arch.norms_per_layer - (1 if s.checkpointing else 0)) * t * h * DTYPE_BYTES[s.model_dtype]
+        total = (arch.norms_per_layer - (1 if s.checkpointing else 0)) * t * h * residual_bytes(arch, s)
     else:
         total = arch.norms_per_layer * (t * h * 4 + t * 4)  # RMSNorm upcasts to fp32 and keeps it + rsqrt
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
@@ -146,7 +170,7 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
     inter = t * arch.experts_per_tok if arch.experts else t
     # act input, act output and up (gated); lean MLPs recompute the act output. 4-bit experts' matmuls
     # come out of autocast in the compute dtype (no peft Linear promotes them).
-    per = MP_BYTES[s.mixed_precision] if arch.experts and s.quant in ("nf4", "fp4") else mlp_bytes(s)
+    per = MP_BYTES[s.mixed_precision] if arch.experts and s.quant in ("nf4", "fp4") else mlp_bytes(arch, s)
     total += inter * i * per * ((2 if lean(arch, s) else 3) if arch.gated_mlp() else 1)
     if arch.experts:
         total += t * arch.experts * 4 * 2  # router logits and softmax
@@ -158,10 +182,11 @@ def head_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
     chunked loss's copy of the trained rows' hidden states and their log-sum-exp, or (full logits) the
     autocast copy of a head stored wider than the compute dtype and the fp32 log-probabilities."""
     t, h, v = batch * seq, arch.hidden, arch.vocab
-    norm = t * h * DTYPE_BYTES[s.model_dtype] if lean(arch, s) else t * h * 4 + t * 4
+    rb = residual_bytes(arch, s)
+    norm = t * h * rb if lean(arch, s) else t * h * 4 + t * 4
     saved = norm + t * 8
     if s.loss == "chunked":
-        return saved + t * h * DTYPE_BYTES[s.model_dtype] + t * 4
+        return saved + t * h * rb + t * 4
     return saved + _cast_head(arch, s) + t * v * 4
 
 
@@ -179,7 +204,7 @@ def loss_working_bytes(arch: Arch, s, tokens: int) -> int:
         return transformers_loss_bytes(tokens, arch.vocab) - tokens * arch.vocab * 4
     if s.loss == "full":
         return full_logits_bytes(tokens, arch.vocab, cb) - tokens * arch.vocab * 4
-    rb = DTYPE_BYTES[s.model_dtype]
+    rb = residual_bytes(arch, s)
     path = chunked_loss_bytes(tokens, arch.vocab, arch.hidden, cb, s.loss_chunk_tokens, rb)
     return path - tokens * arch.hidden * rb - tokens * 4 + _cast_head(arch, s)
 
@@ -202,7 +227,7 @@ def held_bytes(arch: Arch, s) -> int:
     """What checkpointing keeps for the whole backward: each layer's input, in the residual dtype. With
     activation offloading they live in pinned CPU memory, and only the layer in use and the one being
     copied back ahead of it are on the GPU."""
-    per_input = s.micro_batch * s.seq_len * arch.hidden * DTYPE_BYTES[s.model_dtype]
+    per_input = s.micro_batch * s.seq_len * arch.hidden * residual_bytes(arch, s)
     layers = min(arch.layers, PREFETCHED_LAYERS) if s.activation_offload else arch.layers
     return layers * per_input
 
@@ -220,7 +245,7 @@ def activation_terms(arch: Arch, s) -> dict[str, int]:
     if s.checkpointing:
         held = held_bytes(arch, s)
         if s.activation_offload:
-            offloaded = arch.layers * b * L * arch.hidden * DTYPE_BYTES[s.model_dtype]
+            offloaded = arch.layers * b * L * arch.hidden * residual_bytes(arch, s)
         layers = held + rope + per_layer  # plus one layer recomputed during backward
         extra = max(0, loss - per_layer)  # the loss phase: held inputs + head, no recomputed layer
     else:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import os
+import warnings
 
 import torch
 
@@ -149,8 +150,12 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
     # The plugin is passed on CPU too, although Accelerate leaves it unused there: otherwise, under
     # `accelerate launch` with an FSDP config, Accelerate builds its own plugin from the launcher's FSDP_*
     # variables, and FSDP1's sync_module_states=true raises "no available devices" on CPU.
-    acc = Accelerator(cpu=on_cpu, mixed_precision="no", fsdp_plugin=plugin,
-                      kwargs_handlers=handlers, **trackers)
+    with warnings.catch_warnings():
+        # Accelerate picks the thread count of a multi-process CPU run when OMP_NUM_THREADS is unset and
+        # warns that it did; the choice is sound (cores per process) and set explicitly, it is taken as is.
+        warnings.filterwarnings("ignore", message="OMP_NUM_THREADS/MKL_NUM_THREADS unset")
+        acc = Accelerator(cpu=on_cpu, mixed_precision="no", fsdp_plugin=plugin,
+                          kwargs_handlers=handlers, **trackers)
     if dist.num_processes is not None and dist.num_processes != acc.num_processes:
         raise RecipeError([f"distributed.num_processes is {dist.num_processes} but the launcher started "
                            f"{acc.num_processes}. Fix: launch {dist.num_processes} processes or change the recipe"])
@@ -298,13 +303,25 @@ def wrap(accelerator, model, optimizer, plan=None):
             plugin.param_init_fn = fsdp1.param_init(plan)
         if not plan.offload:  # offloaded, FSDP moves what it manages; a table left out would stay off the GPU
             plugin.ignored_modules = replicated_modules(model) or None
-    with fsdp1.meta_wrapping() if meta and plugin.fsdp_version == 1 else contextlib.nullcontext():
+    with fsdp1.meta_wrapping() if meta and plugin.fsdp_version == 1 else contextlib.nullcontext(), \
+            warnings.catch_warnings():
+        # FSDP1 at world size 1 warns that it runs NO_SHARD; the recipe check has said so in its own words
+        warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
         out = accelerator.prepare(model, optimizer)
     if fsdp:
         if not is_sharded(out[0]):
             raise RuntimeError(f"FSDP was configured but prepare returned an unsharded {type(out[0]).__name__}")
         log.info(describe_fsdp(accelerator))
     return out
+
+
+def leave_process_group() -> None:
+    """The end of a finished run: the process group goes before the interpreter does (NCCL warns at exit
+    about a group left alive). Not after a failure, where a rank still inside a collective would hang it."""
+    from torch import distributed
+
+    if distributed.is_available() and distributed.is_initialized():
+        distributed.destroy_process_group()
 
 
 def replicated_modules(model) -> list:

@@ -7,7 +7,8 @@ with double quantization when the recipe asks, by bitsandbytes' own quantize_4bi
 in the storage dtype like every other 4-bit weight, so FSDP shards them the same way. The quantization
 state of every expert is small and sits beside them as non-persistent buffers (every rank holds it whole).
 
-The forward dequantizes, one at a time, only the experts the router picked for the batch: the workspace is
+The forward groups the router's picks by expert (one host read per layer: each expert's count) and
+dequantizes, one at a time, only the experts the router picked for the batch: the workspace is
 one expert's weight in the model dtype, and backward dequantizes again instead of keeping it (as
 bitsandbytes' 4-bit matmul does). LoRA on experts (peft's ParamWrapper, through expert_lora.py) is
 added per picked expert as x·Aₑᵀ·Bₑᵀ·scale, the same W + scale·B·A peft applies to the dense tensor.
@@ -81,10 +82,12 @@ class PackedExperts(torch.nn.Module):
         rhs [E, r, in], scaling) for the adapted ones."""
         factors = factors or {}
         out = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            hit = torch.unique(top_k_index).tolist()
-        for e in hit:
-            token, pos = torch.where(top_k_index == e)
+        all_token, all_pos, counts = route(top_k_index, self.num_experts)
+        start = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            token, pos, start = all_token[start:start + n], all_pos[start:start + n], start + n
             x = hidden_states[token]
             gate, up = self._linear(x, "gate_up_proj", e, factors).chunk(2, dim=-1)
             y = self._linear(self.act_fn(gate) * up, "down_proj", e, factors)
@@ -98,6 +101,18 @@ class PackedExperts(torch.nn.Module):
             lhs, rhs, scaling = factors[name]
             y = y + F.linear(F.linear(x, rhs[e]), lhs[e]) * scaling
         return y
+
+
+def route(top_k_index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The router's picks grouped by expert: (token, slot) of every pick, expert 0's first, each expert's in
+    token order (torch.where's order), and how many each expert got. The counts are the one host read of
+    the layer: picking each expert's rows with torch.where instead waits on the GPU once per expert (a
+    4-layer, 128-expert model ran at 2.4 s per step on an H100 that way, benchmarks/RESULTS_GPU.md)."""
+    with torch.no_grad():
+        slots = top_k_index.size(-1)
+        order = torch.argsort(top_k_index.reshape(-1), stable=True)
+        counts = torch.bincount(top_k_index.reshape(-1), minlength=experts).tolist()
+        return order // slots, order % slots, counts
 
 
 class _DequantLinear(torch.autograd.Function):

@@ -29,7 +29,8 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     assert len(files) <= 8 and {"results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log"} <= set(files)
     res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
     assert [n for n, r in res.items() if r["status"] == "ok"] == list(res), res
-    assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16", "fsdp2_trace", "syncs"}
+    assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16", "fsdp2_trace", "syncs",
+                        "moe", "adapters", "preference"}
     single = res["single"]["result"]
     plan = json.loads((tmp_path / "work" / "single" / "memory.json").read_text())["plan"]
     assert plan["steps"] > 0 and plan["load"] > 0  # the planner beside the measured phases
@@ -47,7 +48,22 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
         sy = res["syncs"]["result"][run]
         assert sy["exit"] == 0 and sy["optimizer_steps"] == 4 and sy["micro_batches_per_step"] == 4, sy
         assert sy["measurable"] is False and sy["syncs_per_optimizer_step"] is None
+    moe = res["moe"]["result"]  # 4-bit experts with LoRA on them: trained, planned, evaluated
+    assert moe["losses_finite"] and moe["eval"]["eval_rows"] > 0 and moe["plan"]["allocated_gib"] > 0
+    ad = res["adapters"]["result"]
+    assert ad["adapters_lora"]["losses_finite"] and ad["adapters_dora"]["losses_finite"]
+    assert ad["adapters_dora"]["plan"]["allocated_gib"] > ad["adapters_lora"]["plan"]["allocated_gib"]
+    assert ad["dora_over_lora"]["tokens_per_s"] > 0
+    for method in ("dpo", "orpo"):
+        pref = res["preference"]["result"][f"pref_{method}"]
+        assert pref["losses_finite"] and 0 <= pref["eval"]["preference_accuracy"] <= 1, pref["eval"]
+    # What the commands printed holds no library warning a user cannot act on (FSDP1's NO_SHARD notice at
+    # world size 1 was one: the recipe check says it in its own words).
+    blocks = (tmp_path / "out" / "commands.log").read_text().split("\n$ ")
+    ours = [b for b in blocks if " -m finetune " in b.split("\n", 1)[0]]  # not the TRL arm's or a probe's
+    assert ours and not [b for b in ours if "UserWarning" in b or "FutureWarning" in b], ours
     md = (tmp_path / "out" / "RESULTS_GPU.md").read_text()
+    assert "### adapters_dora" in md and "### pref_dpo" in md
     assert "dry run" in md and "## fsdp2" in md and "packed-byte check" in md
 
 
@@ -55,7 +71,7 @@ def test_a_short_deadline_skips_stages_and_still_writes_the_summary(tmp_path):
     p = proof(tmp_path / "out", tmp_path / "work", "--deadline", "60", timeout=400)
     assert p.returncode == 1  # not every stage ran
     res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
-    assert len(res) == 10
+    assert len(res) == 13
     skipped = [n for n, r in res.items() if r["status"] == "skipped"]
     assert skipped and all("left of the deadline" in res[n]["why"] for n in skipped)
     assert res["env"]["status"] == "ok"

@@ -137,6 +137,45 @@ def test_4bit_expert_logits_equal_the_dequantized_reference(family_dir, targets)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_experts_wait_on_the_device_once_per_layer_not_once_per_expert(family_dir):
+    """Each PackedExperts call groups the router's picks with no device-dependent shape on the way (argsort,
+    bincount) and reads the host once, for the per-expert counts (`.tolist()`, which torch's CPU dispatch
+    does not show); the backward reads nothing. On a GPU each such read is a wait: picking each expert's rows
+    with torch.unique and torch.where waited once per expert (2.4 s per step for 4 layers of 128 experts on
+    an H100, benchmarks/RESULTS_GPU.md). Counted through torch's dispatch, as the loss's test counts its
+    reads; the old code fails it with one nonzero per expert hit."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from finetune.weights.experts4bit import PackedExperts
+
+    _, path = family_dir
+    model = _load(path, targets="auto")
+    calls = []
+    for m in model.modules():
+        if isinstance(m, PackedExperts):
+            m.register_forward_pre_hook(lambda *_: calls.append(1))
+    waits = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default, torch.ops.aten.item.default}
+    reads, ops = [], []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any("experts4bit.py" in fr.filename for fr in traceback.extract_stack()):
+                ops.append(func)
+                if func in waits:
+                    reads.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(3, 384, (2, 24), generator=torch.Generator().manual_seed(3))
+    with Reads():
+        model(input_ids=ids).logits.float().pow(2).mean().backward()
+    assert len(calls) == 2 and ops, calls  # 2 layers, and the mode saw the experts' work
+    assert reads == [], reads
+    assert ops.count(torch.ops.aten.bincount.default) == len(calls)  # the counts: once per call
+
+
 @pytest.fixture(scope="module")
 def trained(family_dir, tmp_path_factory):
     """(family, base dir, run dir): 8 steps of the real loop, every expert adapted."""

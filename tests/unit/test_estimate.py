@@ -201,3 +201,23 @@ def test_fsdp_keeps_the_frozen_tables_whole_and_gathers_none_of_them():
     assert E.build(replace(s, fsdp_version=1, gpus=1)).breakdown["fsdp_buffers"] == 0
     offloaded = E.build(replace(s, fsdp_version=2, offload=True))
     assert offloaded.breakdown["unquantized"] == 0  # offloaded: FSDP2 shards the tables (they go to the CPU)
+
+
+def test_dora_on_cuda_plans_the_fp32_outputs_it_measured_on_an_h100():
+    # peft's DoRA under CUDA autocast hands back fp32 (fp32 magnitude x bf16 base output), so the MLP's kept
+    # tensors and the residual stream are fp32. Measured on an H100 (4-layer 8B widths, 2 x 2048, all-linear,
+    # benchmarks/RESULTS_GPU.md): steps peak allocated LoRA 3.56 GiB, DoRA 6.01 GiB. The DoRA-over-LoRA excess
+    # was planned 1.97 GiB before (bf16 outputs), 2.45 measured.
+    from finetune.plan.activations import dora_promotes
+
+    s = E.Setup(model="synthetic:meta-llama/Llama-3.1-8B-Instruct?layers=4", gpus=1, seq_len=2048, micro_batch=2,
+                strategy="single", model_dtype="bfloat16", quant_storage="bfloat16")
+    lora, dora = E.build(s), E.build(replace(s, use_dora=True))
+    excess = (dora.allocated - lora.allocated) / 2**30
+    assert abs(excess - 2.45) / 2.45 < 0.10, excess
+    arch = dora.arch
+    assert dora_promotes(arch, dora.setup, {"down_proj"})
+    cpu = replace(s, use_dora=True, device="cpu")  # peft casts back on CPU: nothing promoted there
+    assert not dora_promotes(arch, cpu, {"down_proj"})
+    bf16_adapters = replace(s, use_dora=True, lora_dtype="bfloat16")  # nothing wider than the compute dtype
+    assert not dora_promotes(arch, bf16_adapters, {"down_proj"})
