@@ -46,6 +46,7 @@ def run(a) -> int:
     replaced = None if a.overwrite else finished_run(Path(recipe.output.dir), recipe)
     if replaced:
         raise RecipeError([replaced], a.recipe)
+    from finetune.train.keepers.report import write_report
     from finetune.train.keepers.summary import summary
     from finetune.train.loop import train
     from finetune.train.parallel import leave_process_group
@@ -54,5 +55,6 @@ def run(a) -> int:
     result = train(recipe, Path(recipe.output.dir))
     leave_process_group()
     if is_main():  # the run dir's files are the main process's to read
+        write_report(Path(recipe.output.dir))
         log.info("\n".join(summary(Path(recipe.output.dir), result, time.perf_counter() - t0)))
     return 0

@@ -31,6 +31,7 @@ def test_a_run_ends_in_a_summary_and_its_resume_keeps_time_and_names_the_schedul
     assert re.search(r"^held out: eval_loss [\d.]+ ", out, re.M)
     assert re.search(r"^peak memory: [\d.]+ GiB RSS per process \(phase \w+;", out, re.M)
     assert f"adapter: {run / 'adapter'}" in out and f"finetune merge {run}" in out
+    assert f"report: {run / 'report.html'} (loss and learning-rate curves, memory per phase)" in out
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     t10 = max(r["time"] for r in records if r["step"] == 10)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 
-def _records(run_dir: Path) -> list[dict]:
+def read_records(run_dir: Path) -> list[dict]:
     out = []
     path = run_dir / "metrics.jsonl"
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
@@ -36,7 +36,7 @@ def peak_memory(run_dir: Path) -> str | None:
 
 
 def summary(run_dir: Path, result: dict, wall_s: float) -> list[str]:
-    records = _records(run_dir)
+    records = read_records(run_dir)
     losses = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
     rates = [r["tokens_per_s"] for r in records if isinstance(r.get("tokens_per_s"), (int, float))]
     train_s = max((r.get("time", 0) for r in records), default=0)
@@ -53,6 +53,8 @@ def summary(run_dir: Path, result: dict, wall_s: float) -> list[str]:
                      + " (the base model's figures: `finetune eval RUN_DIR`)")
     mem = peak_memory(run_dir)
     lines += [mem] if mem else []
+    if (run_dir / "report.html").exists():
+        lines.append(f"report: {run_dir / 'report.html'} (loss and learning-rate curves, memory per phase)")
     if result.get("stopped"):
         return lines
     adapter = run_dir / "adapter"
