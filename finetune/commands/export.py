@@ -12,7 +12,9 @@ def register(sub) -> None:
                                    "installed greedy outputs on held-out prompts must equal transformers'.")
     p.add_argument("run_dir", help="run dir (recipe.yaml + adapter/)")
     p.add_argument("--format", choices=["gguf"], default="gguf", help="output format (only gguf)")
-    p.add_argument("--outtype", choices=["f16", "q8_0", "f32"], default="f16", help="tensor type of the weights")
+    p.add_argument("--outtype", choices=["f16", "q8_0", "f32", "q4_k_m", "q5_k_m", "q6_k"], default="f16",
+                   help="tensor type of the weights; the K-quants (q4_k_m, ...) go through llama.cpp's "
+                        "llama-quantize (python -m finetune.gguf.quantizer --build makes one)")
     p.add_argument("--adapter-only", action="store_true",
                    help="convert only the LoRA adapter (llama.cpp --lora over a GGUF of the base)")
     p.add_argument("--output", help="GGUF file to write (default RUN_DIR/gguf/{model,adapter}-OUTTYPE.gguf)")
@@ -35,7 +37,10 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     t = res["tensors"]
-    print(f"wrote {res['output']}: {t['checked']} tensors equal their source "
+    if res.get("quantized_from"):
+        print(f"wrote {res['quantized_from']} (f16, checked) and quantized it with {res['quantizer']}")
+    agree = "are within their type's error bound of" if res.get("quantized_from") else "equal"
+    print(f"wrote {res['output']}: {t['checked']} tensors {agree} their source "
           f"({', '.join(f'{k} {v}' for k, v in sorted(t['types'].items()))}; max abs diff "
           f"{json.dumps(t['max_abs_diff'], sort_keys=True)}); greedy check: "
           f"{res['greedy'].get('summary') or res['greedy']['status']}")

@@ -10,7 +10,8 @@ every tensor with the weights it was converted from.
   For a LoRA GGUF only lora_b carries the output rows, so only lora_b is permuted back.
 - Tolerances by the type the tensor was written in: F32 exact; F16 equal to the source rounded to fp16 (the
   converter's cast); Q8_0 within half a quantization step of its 32-value block (step = max|block| / 127)
-  plus what storing that step in fp16 adds (see _q8_bound).
+  plus what storing that step in fp16 adds (see _q8_bound); llama-quantize's K-quants and the fallbacks it picks
+  for rows too short for them: relative RMS error within REL_RMS.
 """
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ import numpy as np
 import torch
 
 Q8_BLOCK = 32
+# llama-quantize's types (export --outtype q4_k_m and friends): a tensor's relative RMS error at most this. A
+# block of b levels spread over its values' range rounds with RMS about range / (b - 1) / sqrt(12): for normal
+# weights about 0.08 of their RMS at 4 bits (16 levels), 0.04 at 5, 0.02 at 6; the bounds are 1.5x that.
+REL_RMS = {"Q4_K": 0.12, "Q4_0": 0.14, "Q4_1": 0.12, "Q5_K": 0.06, "Q5_0": 0.07, "Q5_1": 0.06, "Q6_K": 0.03}
 _PERMUTED = {"q_proj": "num_attention_heads", "k_proj": "num_key_value_heads"}
 
 
@@ -70,6 +75,8 @@ def compare(gguf, t, got: torch.Tensor, src: torch.Tensor) -> tuple[bool, float]
         ok = torch.equal(got, src.half().float())
     elif t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
         ok = bool(((got - src).abs() <= _q8_bound(src)).all())
+    elif t.tensor_type.name in REL_RMS:
+        ok = bool((got - src).norm() <= REL_RMS[t.tensor_type.name] * src.norm())
     else:
         return False, float("inf")
     return ok, float((got - src).abs().max()) if src.numel() else 0.0

@@ -121,8 +121,16 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
     fails (nothing is published); RecipeError for bad input or a missing converter."""
     from finetune.gguf.readback import check_tensors
 
-    if outtype not in OUTTYPES:
-        raise RecipeError([f"--outtype: expected one of {', '.join(OUTTYPES)}, got {outtype!r}"], "export")
+    from finetune.gguf import quantizer
+
+    if outtype not in OUTTYPES + tuple(quantizer.KQUANTS):
+        raise RecipeError([f"--outtype: expected one of {', '.join(OUTTYPES + tuple(quantizer.KQUANTS))}, got "
+                           f"{outtype!r}"], "export")
+    if outtype in quantizer.KQUANTS:
+        if adapter_only:
+            raise RecipeError([f"--outtype {outtype} --adapter-only: llama.cpp applies LoRA GGUFs in f16/f32/q8_0; "
+                               "quantize the merged model instead (without --adapter-only)"], "export")
+        return _export_kquant(run_dir, outtype, output, merged, greedy_prompts)
     run_dir = Path(run_dir).expanduser().resolve()
     conv = converter.require()
     if not (run_dir / "adapter" / "adapter_config.json").is_file() and not (merged and not adapter_only):
@@ -167,3 +175,49 @@ def _greedy(run_dir: Path, converted: Path, gguf_file: Path, adapter_only: bool,
     from finetune.gguf.greedy import greedy_parity
 
     return greedy_parity(run_dir, converted, gguf_file, n)
+
+
+def _export_kquant(run_dir, outtype: str, output: str | None, merged: str | None, greedy_prompts: int) -> dict:
+    """A K-quant GGUF (q4_k_m, ...): the checked f16 export first (kept: it is the quantizer's input and a
+    GGUF of its own), then llama-quantize into a temporary sibling of the output, every tensor read back
+    within its type's error bound, and only then the rename. Without llama-quantize: RunError (exit 3) after
+    the f16 file is written, naming the command that finishes the job."""
+    from finetune.gguf import quantizer
+    from finetune.gguf.readback import check_tensors
+    from finetune.util.errors import RunError
+
+    run_dir = Path(run_dir).expanduser().resolve()
+    out = Path(output).expanduser().resolve() if output else default_output(run_dir, outtype, False)
+    refuse_foreign_output(out)
+    f16 = export_gguf(run_dir, "f16", False, str(out.with_name(out.stem + ".f16.gguf")) if output else None, merged,
+                      greedy_prompts=0)  # the greedy check runs once, on the file people serve
+    src = Path(f16["output"])
+    binary = quantizer.find()
+    if binary is None:
+        raise RunError([f"wrote and checked {src}; " + quantizer.missing_advice(src, out, outtype)], "export")
+    clean_stale(out, "export")
+    with temp_file(out) as tmp:
+        proc = quantizer.quantize(binary, src, tmp, outtype)
+        if proc.returncode != 0:
+            raise _converter_failed(proc, "llama-quantize")
+        sources = _weights(Path(f16["source"]))
+        config = json.loads((Path(f16["source"]) / "config.json").read_text())
+        tensors = check_tensors(converter.require(), tmp, sources, config)
+        if tensors["mismatched"]:
+            raise RuntimeError(f"export: {len(tensors['mismatched'])} {outtype} tensor(s) are further from their "
+                               f"source than the type allows, e.g. {tensors['mismatched'][0]}; nothing was "
+                               f"written to {out}")
+        report = {"format": "gguf", "outtype": outtype, "adapter_only": False, "source": f16["source"],
+                  "quantized_from": str(src), "quantizer": f"{binary} ({quantizer.KQUANTS[outtype]})",
+                  "converter": f16["converter"], "tensors": tensors,
+                  "greedy": _greedy(run_dir, Path(f16["source"]), tmp, False, greedy_prompts)}
+        if report["greedy"].get("status") == "failed":
+            raise RuntimeError(f"export: llama.cpp's greedy outputs differ from transformers': "
+                               f"{report['greedy']['summary']}; nothing was written to {out}")
+        apply_umask(tmp)
+        os.replace(tmp, out)
+    out.with_name(out.name + ".json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    from finetune.gguf.modelfile import write_modelfile
+
+    report["modelfile"] = str(write_modelfile(out, run_dir, Path(f16["source"])))
+    return {"output": str(out), **report}

@@ -103,6 +103,40 @@ def test_export_gguf_tensors_equal_the_merged_weights(run, merged, outtype, caps
     _check_modelfile(out, merged)
 
 
+@needs_converter
+def test_q4_k_m_without_llama_quantize_keeps_the_checked_f16_and_names_the_command(run, merged, monkeypatch, capsys):
+    # No llama-quantize anywhere: the f16 GGUF is still written and checked, and exit 3 names the commands.
+    from finetune.gguf import quantizer
+
+    monkeypatch.setenv("FINETUNE_LLAMA_QUANTIZE", str(run / "no-such-binary"))
+    assert quantizer.find() is None
+    assert cli.main(["export", str(run), "--outtype", "q4_k_m", "--greedy-prompts", "0"]) == 3
+    err = capsys.readouterr().err
+    f16, q4 = run / "gguf" / "model-f16.gguf", run / "gguf" / "model-q4_k_m.gguf"
+    assert f"wrote and checked {f16}" in err and quantizer.BUILD_COMMAND in err
+    assert f"llama-quantize {f16} {q4} Q4_K_M" in err and "Traceback" not in err
+    assert json.loads(f16.with_name(f16.name + ".json").read_text())["tensors"]["mismatched"] == []
+    assert not q4.exists()
+
+
+@needs_converter
+@pytest.mark.skipif(__import__("finetune.gguf.quantizer", fromlist=["find"]).find() is None,
+                    reason="no llama-quantize (python -m finetune.gguf.quantizer --build compiles one, ~25 min)")
+def test_q4_k_m_through_llama_quantize_reads_back_within_its_bounds(run, merged, capsys):
+    assert cli.main(["export", str(run), "--outtype", "q4_k_m", "--greedy-prompts", "0"]) == 0
+    out = run / "gguf" / "model-q4_k_m.gguf"
+    printed = capsys.readouterr().out
+    assert "are within their type's error bound of their source" in printed, printed
+    t = json.loads(out.with_name(out.name + ".json").read_text())["tensors"]
+    assert t["mismatched"] == [] and t["checked"] == t["tensors"] == 39
+    # The tiny model's 64-wide rows are too short for K blocks (256): llama-quantize falls back per tensor;
+    # whatever it picked is 4 to 6 bits, and the norms stay F32.
+    assert "F32" in t["types"] and set(t["types"]) - {"F32"} <= {"Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0",
+                                                                 "Q5_1", "Q8_0"}, t["types"]
+    assert out.stat().st_size < (run / "gguf" / "model-f16.gguf").stat().st_size / 2
+    _check_modelfile(out, merged)
+
+
 def _check_modelfile(gguf: Path, merged: Path):
     """The Ollama Modelfile beside the GGUF: FROM it, the stop token, and a TEMPLATE that renders a two-turn chat
     exactly as the run's Jinja template does (through tests/gotemplate.py, a Go-template-subset renderer)."""
