@@ -9,7 +9,7 @@ import html
 import json
 from pathlib import Path
 
-from finetune.train.keepers.summary import read_records
+from finetune.train.keepers.summary import measured_keys, read_records
 
 WIDTH, HEIGHT, PAD = 640, 240, 48
 COLORS = {"loss": "#1f77b4", "eval_loss": "#d62728", "lr": "#2ca02c"}
@@ -52,8 +52,7 @@ def _memory_table(run_dir: Path) -> str:
         mem = json.loads((run_dir / "memory.json").read_text())
     except (OSError, ValueError):
         return "<p>No memory.json.</p>"
-    cuda = mem.get("kind") == "cuda"
-    keys = ("peak_allocated", "peak_reserved") if cuda else ("peak_rss",)
+    keys = measured_keys(mem)
     phases: dict[str, dict] = {}
     for rank in mem.get("ranks", []):  # the largest rank's figure per phase
         for phase, v in rank.get("phases", {}).items():
@@ -69,7 +68,7 @@ def _memory_table(run_dir: Path) -> str:
         cells += f"<td>{planned / 2**30:.2f}</td>" if isinstance(planned, (int, float)) else "<td></td>"
         rows.append(f"<tr><td>{html.escape(phase)}</td>{cells}</tr>")
     return (f'<table class="memory"><tr><th>phase</th>{head}<th>plan (GiB)</th></tr>' + "".join(rows) + "</table>"
-            + f"<p>{'GPU memory per process (torch)' if cuda else 'RSS per process'}, largest rank.</p>")
+            + f"<p>{'RSS' if keys == ('peak_rss',) else 'GPU memory (torch)'} per process, largest rank.</p>")
 
 
 def write_report(run_dir: Path) -> Path:

@@ -20,13 +20,18 @@ def read_records(run_dir: Path) -> list[dict]:
     return out
 
 
+def measured_keys(mem: dict) -> tuple[str, ...]:
+    """The peaks memory.json holds per phase: torch's allocator on a GPU, the RSS on CPU (its `kind`)."""
+    return ("peak_allocated", "peak_reserved") if mem.get("kind") == "cuda" else ("peak_rss",)
+
+
 def peak_memory(run_dir: Path) -> str | None:
     """The largest measured peak over ranks and phases, with its phase and the plan's figure."""
     try:
         mem = json.loads((run_dir / "memory.json").read_text())
     except (OSError, ValueError):
         return None
-    key = "peak_allocated" if mem.get("kind") == "cuda" else "peak_rss"
+    key = measured_keys(mem)[0]
     peaks = [(v.get(key) or 0, phase) for r in mem.get("ranks", []) for phase, v in r.get("phases", {}).items()]
     if not peaks:
         return None
