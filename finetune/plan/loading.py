@@ -12,10 +12,12 @@ One reader per machine (its local rank 0) reads one checkpoint tensor at a time:
 Each rank keeps its part:
 - one process or replicas: the whole model, built up one tensor at a time;
 - FSDP2: a dim-0 chunk of every parameter (1/world), plus the whole quantization state;
-- FSDP1: its slice of every flat parameter (1/world: FSDP1 flattens and shards the meta model, then the
-  slice is filled, weights/fsdp1.py), plus the whole quantization state.
+- FSDP1: its slice of every flat parameter (1/world: FSDP1 flattens and shards the model unit by unit, each
+  unit given memory just before, then the slice is filled, weights/fsdp1.py), plus the whole quantization
+  state.
 
-So the peak is what a process finally holds plus the biggest transient: the largest tensor in flight.
+So the peak is what a process finally holds plus the biggest transient: the largest tensor in flight, or
+under FSDP1 its largest unit whole twice while FSDP1 flattens it.
 LoRA adapters exist whole in every process before `prepare` shards them.
 """
 from __future__ import annotations
@@ -46,6 +48,14 @@ def whole_table_bytes(arch: Arch, s, dtype_bytes: dict, shard: int) -> int:
     if not tables_whole(s, shard):
         return 0
     return arch.vocab * arch.hidden * (1 if arch.tied else 2) * dtype_bytes[s.model_dtype]
+
+
+def fsdp1_unit_bytes(arch: Arch, s, w: dict, dtype_bytes: dict, shard: int) -> int:
+    """Bytes of FSDP1's largest wrapped unit, unsharded: a decoder layer (its 4-bit weights, adapters and
+    norms), or the root when it holds the tables (when FSDP shards them: offloaded runs)."""
+    tables = arch.vocab * arch.hidden * (1 if arch.tied else 2) * dtype_bytes[s.model_dtype]
+    layer = (w["base_4bit"] + w.get("experts", 0) + w["lora"] + w["unquantized"] - tables) // arch.layers
+    return max(layer, 0 if tables_whole(s, shard) else tables)
 
 
 def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int, four_bit_kind: bool) -> tuple[int, int]:
@@ -101,6 +111,12 @@ def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader:
         if reader:
             transient = max(transient, flight + (received // shard if shard > 1 else 0))
         peak = max(peak, held + transient)
+    if s.strategy == "fsdp" and s.fsdp_version == 1:
+        # FSDP1 flattens each unit from memory param_init gave it (weights/fsdp1.py): the unit's parameters
+        # and their concatenation, on the device, beside the shards of the units before it (the whole tables
+        # come after the wrap); then this rank's slice of it stays
+        unit = fsdp1_unit_bytes(arch, s, w, dtype_bytes, shard)
+        peak = max(peak, final - on_device * tables + 2 * unit - unit // shard)
     return peak
 
 

@@ -300,11 +300,10 @@ def wrap(accelerator, model, optimizer, plan=None):
         skeleton.before_wrap(model, plan)
         plan.offload = _offloads_params(plugin)
         if plugin.fsdp_version == 1:
-            plugin.param_init_fn = fsdp1.param_init(plan)
+            plugin.param_init_fn = fsdp1.param_init(plan, accelerator.device)
         if not plan.offload:  # offloaded, FSDP moves what it manages; a table left out would stay off the GPU
             plugin.ignored_modules = replicated_modules(model) or None
-    with fsdp1.meta_wrapping() if meta and plugin.fsdp_version == 1 else contextlib.nullcontext(), \
-            warnings.catch_warnings():
+    with warnings.catch_warnings():
         # FSDP1 at world size 1 warns that it runs NO_SHARD; the recipe check has said so in its own words
         warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
         out = accelerator.prepare(model, optimizer)

@@ -21,9 +21,9 @@ checkpoints), portable.py (tokenizer and adapter files other clients read). The 
 - `fsdp2`: nothing is set at load time (a placeholder stands in, so LoRA can be attached); `wrap`
   shards the meta model with `fully_shard` and then `fsdp2.fill_shards` streams the checkpoint again,
   each rank keeping only its dim-0 chunk of every parameter: the packed 4-bit bytes included.
-- `fsdp1`: FSDP1 flattens and shards the meta model (its `param_init_fn` leaves everything on meta), and
-  then `fsdp1.fill_shards` fills each rank's slice of every flat parameter, reading only the rows that
-  slice covers (fsdp1.py).
+- `fsdp1`: FSDP1 flattens and shards the model unit by unit (its `param_init_fn` gives a unit's meta
+  parameters memory just before), then `fsdp1.fill_shards` fills each rank's slice of every flat
+  parameter, reading only the rows that slice covers (fsdp1.py).
 
 Quantization state (absmax, nested absmax, code, ...) is kept whole on every rank, on the `Linear4bit`
 module (`module.quant_state`), where bitsandbytes finds it again after FSDP gathers the packed weight.

@@ -1,26 +1,22 @@
-"""FSDP1 over the meta model: FSDP1 flattens and shards parameters that hold no memory, then each rank fills
-only its own slice of every flat parameter from the checkpoint (the load plan says what each parameter is).
+"""FSDP1 over the meta model: FSDP1 flattens and shards each wrapped unit as usual, then each rank fills only its
+own slice of every flat parameter from the checkpoint (the load plan says what each parameter is).
 
-FSDP1 builds a wrapped module's FlatParameter by concatenating its parameters, then keeps this rank's slice:
-with real parameters, every rank would hold each wrapped module whole twice (the parameters and their
-concatenation) before sharding; for the root unit (embedding and output head) that is the biggest
-transient of the load. On meta both are free, and what FSDP1 records (each parameter's place in the flat
-parameter, this rank's `_shard_param_infos`) is all the fill needs:
-
-- `param_init(plan)` (FSDP1's `param_init_fn`): the base's parameters stay meta; any real parameter (LoRA) is
-  moved to meta too, its value stashed in the load plan. The Python object stays the same (the optimizer, built
-  before `prepare`, holds it; FSDP1 with use_orig_params keeps it).
-- `meta_wrapping` (around `accelerator.prepare`): two places where torch 2.13's FSDP1 assumes the
-  parameters are real after `param_init_fn` (see the function).
+- `param_init(plan, device)` (FSDP1's public `param_init_fn`, called per unit just before FSDP1 flattens it):
+  the unit's base parameters, meta until now, get uninitialised memory of their full shape on the compute
+  device. FSDP1 then concatenates them into the unit's FlatParameter and keeps this rank's slice, so the
+  largest transient of the wrap is one unit whole twice (its parameters and their concatenation), one unit
+  at a time: a decoder layer, whose gathered copy every training step holds anyway (plan/loading.py plans
+  it). Real parameters (LoRA) keep their values and FSDP1 flattens them as they are. No torch function is
+  replaced: the wrap is FSDP1's own, on real tensors.
 - `fill_shards` (after `prepare`): for every flat parameter, in the same order on every rank, this rank's
-  slice: plain tensors as the few rows covering it (the reader sends each rank its elements alone), 4-bit
-  weights quantized on the reader piece by piece, each rank sent the packed bytes of its slice alone
-  (packed.py; the quantization state is set whole on every rank), LoRA from the stash. FSDP1's padding stays zero.
+  slice of each parameter `param_init` gave memory to: plain tensors as the few rows covering it (the
+  reader sends each rank its elements alone), 4-bit weights quantized on the reader piece by piece, each
+  rank sent the packed bytes of its slice alone (packed.py; the quantization state is set whole on every
+  rank). The slice is written in place into the local shard (on the CPU when FSDP1 offloads it), which the
+  original parameters are views of. FSDP1's padding stays zero.
   The frozen tables FSDP1 was told to leave out (ignored modules) come whole to every rank, as under FSDP2.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -32,8 +28,8 @@ from finetune.weights.reader import materialize
 
 def swap_storage(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     """Point the tensor object `t` at `data` and return what it pointed at. `.data =` cannot move a tensor
-    between meta and a real device; torch.utils.swap_tensors can, and here `t` keeps its class and
-    attributes (a Params4bit's quantization arguments, FSDP1's bookkeeping on a FlatParameter)."""
+    from meta to a real device; torch.utils.swap_tensors can, and here `t` keeps its class and attributes
+    (a Params4bit's quantization arguments)."""
     new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
     new.__class__, new.__dict__ = t.__class__, t.__dict__
     torch.utils.swap_tensors(t, new)
@@ -41,81 +37,48 @@ def swap_storage(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     return new.data
 
 
-def param_init(plan):
-    """FSDP1's `param_init_fn`, called for each module of a unit being wrapped: every parameter of the module
-    ends on meta (the base's already are; a real one, LoRA, is stashed whole in `plan` first, by the
-    parameter's identity: a shared one is stashed once)."""
+def param_init(plan, device: torch.device):
+    """FSDP1's `param_init_fn`, called for each module of a unit about to be flattened: every meta parameter
+    of the module gets uninitialised memory of its shape on `device` (the same Python object: a Params4bit
+    keeps its class and quantization arguments, and the optimizer, built before `prepare`, holds it), and
+    `plan.materialized` records it for the fill. A parameter tied to one already given memory is real by then."""
 
     def init(module):
         for p in module.parameters(recurse=False):
-            if not p.is_meta:
-                plan.stash[id(p)] = swap_storage(p, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+            if p.is_meta:
+                swap_storage(p, torch.empty(p.shape, dtype=p.dtype, device=device))
+                plan.materialized.add(id(p))
         return module
 
     return init
 
 
-@contextlib.contextmanager
-def meta_wrapping():
-    """FSDP1 (torch 2.13) wrapping parameters that `param_init` left on meta. Two of its steps assume real
-    parameters, and both are only bookkeeping here:
-
-    - `_init_utils._get_compute_device` takes the compute device from the first parameter; meta is not
-      `device_id`, so it raises "Inconsistent compute device" (_init_utils.py:1101). The compute device is
-      `device_id`, where `fill_shards` puts the shards.
-    - with cpu_offload, `_init_param_handle_from_params` copies the sharded flat parameter to CPU
-      (_init_utils.py:673, `FlatParamHandle.flat_param_to`), which a meta tensor cannot do; `fill_shards`
-      allocates an offloaded shard on CPU in the first place.
-    """
-    from torch.distributed.fsdp import _init_utils
-    from torch.distributed.fsdp._flat_param import FlatParamHandle
-
-    compute_device, flat_param_to = _init_utils._get_compute_device, FlatParamHandle.flat_param_to
-
-    def meta_compute_device(module, ignored_params, device_from_device_id, rank, device_handle):
-        first = next(_init_utils._get_orig_params(module, ignored_params), None)
-        if first is not None and first.is_meta and device_from_device_id is not None:
-            return device_from_device_id
-        return compute_device(module, ignored_params, device_from_device_id, rank, device_handle)
-
-    def meta_flat_param_to(handle, *args, **kwargs):
-        if not handle.flat_param.is_meta:
-            flat_param_to(handle, *args, **kwargs)
-
-    _init_utils._get_compute_device, FlatParamHandle.flat_param_to = meta_compute_device, meta_flat_param_to
-    try:
-        yield
-    finally:
-        _init_utils._get_compute_device, FlatParamHandle.flat_param_to = compute_device, flat_param_to
-
-
 @loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
 def fill_shards(model, plan) -> None:
-    """Give every FlatParameter still on meta its real local shard (see the module doc). Collective: every
-    rank walks the same units and parameters in the same order; the plan is released at the end."""
+    """Write this rank's slice of every parameter `param_init` gave memory to into its FlatParameter's local
+    shard (see the module doc). Collective: every rank walks the same units and parameters in the same
+    order; the plan is released at the end."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     _fill_replicated(model, plan)  # first: the tables' read-and-cast transient while little is held yet
     for unit in FullyShardedDataParallel.fsdp_modules(model):
         handle = unit._handle
-        if handle is None or not handle.flat_param.is_meta:
+        if handle is None:
             continue
         flat = handle.flat_param
-        device = torch.device("cpu") if handle._offload_params else handle.device
-        local = torch.zeros(flat.numel(), dtype=flat.dtype, device=device)
+        if not any(id(p) in plan.materialized for p in flat._params):
+            continue
+        local = flat.detach()  # this rank's shard: FSDP1 sharded (and offloaded) it at the wrap
         spans = _peer_spans(handle, plan.stream.placement)
         for i, ((pname, module, _), info) in enumerate(zip(flat._param_infos, flat._shard_param_infos)):
-            part = _part(plan, module, pname, flat._params[i], {r: s[i] for r, s in spans.items() if s[i]}, info)
+            param = flat._params[i]
+            if id(param) not in plan.materialized:
+                continue  # LoRA: FSDP1 flattened its value
+            part = _part(plan, module, pname, param, {r: s[i] for r, s in spans.items() if s[i]}, info)
             if info.in_shard:
-                local[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard].copy_(part)
+                local[info.offset_in_shard:info.offset_in_shard + info.numel_in_shard].copy_(part.reshape(-1))
             del part
             release_freed_memory()  # the whole packed weight and its quantization's heap, before the next
-        swap_storage(flat, local)
-        # The original parameters are views of the flat parameter: real from now on, so `.data` takes views.
-        for p in [*flat._params, *(flat._shared_params or [])]:
-            swap_storage(p, torch.empty(0, dtype=p.dtype, device=device))
-        handle._use_sharded_views()
-        release_freed_memory()
     plan.release()
 
 
@@ -156,12 +119,10 @@ def _part(plan, module, pname: str, param, spans: dict, info) -> torch.Tensor | 
     """This rank's elements of `module.pname` (`param`; None when its shard holds none, after taking part
     in the collective reads that every rank makes for this parameter)."""
     mine = (info.intra_param_start_idx, info.intra_param_end_idx + 1) if info.in_shard else None
-    whole = plan.stash.pop(id(param), None)
-    if whole is not None:  # LoRA: every rank has its whole value
-        return whole.reshape(-1)[mine[0]:mine[1]] if mine else None
     e = plan.find(module, pname)
     if e is None:
-        raise RuntimeError(f"FSDP1: {type(module).__name__}.{pname} is on meta and neither loaded nor stashed")
+        raise RuntimeError(f"FSDP1: {type(module).__name__}.{pname} was given memory at the wrap but the checkpoint "
+                           "has no value for it")
     if e.experts:  # packed MoE experts: the state of every expert goes to the module's buffers
         local = expert_range(plan.stream, e, spans)
         return local if mine else None

@@ -52,7 +52,7 @@ class LoadPlan:
     stream: object  # reader.Stream
     entries: list[Entry]
     offload: bool = False  # FSDP2 keeps the shards in CPU memory (set by the wrap from the FSDP plugin)
-    stash: dict = field(default_factory=dict)  # FSDP1: id(parameter) -> the real value param_init moved away
+    materialized: set = field(default_factory=set)  # FSDP1: id() of each parameter param_init gave memory to
 
     def __post_init__(self):
         self._by_param = {(id(e.module), e.name): e for e in self.entries}
@@ -62,4 +62,4 @@ class LoadPlan:
 
     def release(self) -> None:
         """Drop the reader and the entries: after the fill nothing here is needed again."""
-        self.entries, self._by_param, self.stash, self.stream = [], {}, {}, None
+        self.entries, self._by_param, self.materialized, self.stream = [], {}, set(), None

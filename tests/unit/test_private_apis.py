@@ -1,7 +1,7 @@
 """Private library internals are where an upgrade (or the GPU image's older torch) breaks us first
-(docs/architecture.md, "Private library internals"). None of torch FSDP2's may be used anywhere, and a torch
-function may be replaced (even for the length of a `with`) only in the modules listed here, each with the
-reason and the test that pins it."""
+(docs/architecture.md, "Private library internals"). None of torch FSDP2's may be used anywhere, and no module
+replaces a torch function (not even for the length of a `with`): FSDP1's wrap of the streamed model goes
+through its public `param_init_fn` (weights/fsdp1.py)."""
 import ast
 from pathlib import Path
 
@@ -9,8 +9,6 @@ PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
 # FSDP2's internals: the shard fill goes through DTensor.from_local and load_state_dict(assign=True).
 FSDP2_PRIVATE = ("_get_fsdp_state", "FSDPParam", "_local_tensor", "reset_sharded_param", "_fsdp_param_group",
                  "_module_info", "sharded_param")
-# module -> why it still replaces torch functions (see docs/architecture.md for the pin tests).
-PATCHES_TORCH = {"weights/fsdp1.py": "FSDP1 over meta parameters: _get_compute_device and flat_param_to"}
 
 
 def _sources():
@@ -45,9 +43,9 @@ def torch_attribute_assignments(src: str) -> list[str]:
     return out
 
 
-def test_torch_functions_are_replaced_only_where_listed():
-    patching = {name for name, src in _sources() if torch_attribute_assignments(src)}
-    assert patching == set(PATCHES_TORCH)
+def test_no_torch_function_is_replaced():
+    patching = {name: torch_attribute_assignments(src) for name, src in _sources()}
+    assert {name: found for name, found in patching.items() if found} == {}
 
 
 def test_the_patch_finder_finds_patches():
@@ -55,26 +53,26 @@ def test_the_patch_finder_finds_patches():
     assert torch_attribute_assignments(src) == ["u.f", "torch.cuda.g"]
 
 
-def test_fsdp1_internals_the_meta_fill_uses_are_still_there():
-    """weights/fsdp1.py's private uses of torch FSDP1, pinned: a torch that renames or reshapes any of them
-    fails here, by name, before a sharded FSDP1 load fails somewhere in the middle."""
+def test_fsdp1_internals_the_shard_fill_uses_are_still_there():
+    """weights/fsdp1.py's private reads of torch FSDP1, pinned: a torch that renames or reshapes any of them
+    fails here, by name, before a sharded FSDP1 load fails somewhere in the middle. The wrap itself is
+    FSDP1's public path (`param_init_fn`), which calls the function per unit before it flattens."""
     import inspect
 
     from torch.distributed.fsdp import _init_utils
     from torch.distributed.fsdp._flat_param import FlatParameter, FlatParamHandle
 
-    assert list(inspect.signature(_init_utils._get_compute_device).parameters) == [
-        "module", "ignored_params", "device_from_device_id", "rank", "device_handle"]
-    assert callable(_init_utils._get_orig_params)
-    for name in ("flat_param_to", "_use_sharded_views", "_get_shard_metadata"):
-        assert callable(getattr(FlatParamHandle, name)), name
+    assert callable(FlatParamHandle._get_shard_metadata)
     assert list(inspect.signature(FlatParamHandle._get_shard_metadata).parameters)[1:] == [
         "unsharded_start_idx", "unsharded_end_idx"]
     # set on every FlatParameter by _init_metadata / _init_shard_metadata
     source = inspect.getsource(FlatParameter) + inspect.getsource(FlatParamHandle)
-    for attr in ("_param_infos", "_shard_param_infos", "_params", "_shared_params", "_offload_params",
-                 "uses_sharded_strategy"):
+    for attr in ("_param_infos", "_shard_param_infos", "_params", "_shared_params", "uses_sharded_strategy",
+                 "offset_in_shard", "numel_in_shard", "intra_param_start_idx"):
         assert attr in source, attr
+    # param_init_fn runs on the unit's modules before the flat parameter is built from them
+    wrap = inspect.getsource(_init_utils._init_param_handle_from_module)
+    assert wrap.index("_materialize_with_param_init_fn") < wrap.index("_init_param_handle_from_params")
 
 
 def test_peft_param_wrapper_behaviour_packed_experts_rely_on():
