@@ -32,7 +32,9 @@ def run(args) -> int:
 
     res = run_eval(args.run_dir, args.max_rows)
     for k, v in res.items():
-        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {v}")
+        print(f"{k}: {v:.4f}" if isinstance(v, float) else f"{k}: {'n/a' if v is None else v}")
+    if any(v is None for k, v in res.items() if k.endswith("exact_match")):
+        print("exact match n/a: no held-out row has a prompt and an answer to compare (text or token rows)")
     if args.show and res.get("predictions"):
         rows = [json.loads(line) for line in Path(res["predictions"]).read_text().splitlines()]
         for i, r in enumerate(rows[: args.show]):

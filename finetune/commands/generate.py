@@ -122,11 +122,11 @@ def run(args) -> int:
     from finetune.train.inference import check_context, generate, load_run, trains_chat
 
     recipe, tok, model = load_run(args.run_dir, merged=args.merged)
-    chat = args.chat if args.chat is not None else (recipe is not None and trains_chat(recipe))
+    chat = args.chat if args.chat is not None else (recipe is not None and trains_chat(recipe, tok))
     template = (chat_template(recipe.data, tok) if recipe is not None else tok.chat_template) if chat else None
     if chat and not template:
         raise RecipeError(["--chat: the tokenizer has no chat template and the recipe sets no data.chat_template"])
-    # an instruction row is laid out as training laid it out: a user turn (data.prompt_template: chat) or raw text
+    # an instruction row is laid out as training laid it out: a user turn (encode.chat_layout) or raw text
     texts += [instruction_user(r) if chat else instruction_prompt(r) for r in rows]
     mnt = args.max_new_tokens or (recipe.eval.max_new_tokens if recipe is not None else 64)
     system = [{"role": "system", "content": args.system}] if args.system else []

@@ -28,18 +28,26 @@ def chat_template(spec: DataSpec, tok) -> str | None:
     return spec.chat_template or getattr(tok, "chat_template", None)
 
 
+def chat_layout(spec: DataSpec, tok) -> bool:
+    """Whether `instruction` and `prompt_completion` rows with text fields train as a two-turn chat
+    (data.prompt_template; `auto`: whenever there is a chat template to render them with)."""
+    if spec.prompt_template == "auto":
+        return chat_template(spec, tok) is not None
+    return spec.prompt_template == "chat"
+
+
 def instruction_prompt(row: dict) -> str:
     """Alpaca-style fields as one prompt (the same layout `finetune eval` prompts with)."""
     return row["instruction"] + ("\n" + row["input"] if row.get("input") else "") + "\n"
 
 
 def instruction_user(row: dict) -> str:
-    """An instruction row's user turn under `data.prompt_template: chat`: the instruction, then its input."""
+    """An instruction row's user turn in the chat layout (`chat_layout`): the instruction, then its input."""
     return row["instruction"] + ("\n\n" + row["input"] if row.get("input") else "")
 
 
 def plain_chat(row: dict, fmt: str) -> list[dict]:
-    """An instruction or prompt/completion row as the two-turn chat `prompt_template: chat` trains."""
+    """An instruction or prompt/completion row as the two-turn chat the chat layout trains."""
     if fmt == "instruction":
         prompt, answer = instruction_user(row), _str(row, "output")
     else:
@@ -114,6 +122,9 @@ def encode_pair(row: dict, tok, spec: DataSpec) -> dict:
     rejected_labels): the same prompt, rendered as SFT renders it, then each answer; only the answer tokens
     are scored (train_on_inputs does not apply: a prompt's log-prob is the same on both sides)."""
     prompt, chosen, rejected = pair_prompt(row)
+    if isinstance(chosen, str) and chat_layout(spec, tok):  # text pairs in the layout text rows train in
+        prompt = [{"role": "user", "content": prompt}]
+        chosen, rejected = ([{"role": "assistant", "content": a}] for a in (chosen, rejected))
     n, sides = spec.max_seq_len, []
     for answer in (chosen, rejected):
         if isinstance(answer, str):
@@ -193,7 +204,7 @@ def encode(row: dict, fmt: str, tok, spec: DataSpec) -> dict:
         if len(examples) > 1:
             raise ValueError(f"this chat trains as {len(examples)} examples (its template rewrites history)")
         return examples[0]
-    if fmt in ("prompt_completion", "instruction") and spec.prompt_template == "chat":
+    if fmt in ("prompt_completion", "instruction") and chat_layout(spec, tok):
         _str(row, "instruction" if fmt == "instruction" else "prompt")
         return chat_examples(tok, _cut_turns(plain_chat(row, fmt), n), chat_template(spec, tok), None,
                              spec.train_on_inputs)[0]  # two turns: one example

@@ -24,6 +24,14 @@ def data_notes(spec: DataSpec, stats: dict) -> tuple[list[str], list[str]]:
     else:
         held = "none (data.eval_split 0, no data.eval_sources)"
     infos = [f"data: training on {train}; held out for eval: {held}, {stats.get('eval_rows', 0)} examples"]
+    layout = stats.get("prompt_layout")
+    if layout == "chat":
+        infos.append(f"data: instruction and prompt/completion rows train as a user and an assistant turn of the chat "
+                     f"template (data.prompt_template: {spec.prompt_template}; `raw` trains them as plain text)")
+    elif layout == "raw":
+        infos.append(f"data: instruction and prompt/completion rows train as plain text, the prompt then the completion "
+                     f"(data.prompt_template: {spec.prompt_template}"
+                     + ("; the tokenizer has no chat template)" if spec.prompt_template == "auto" else ")"))
     warns = []
     other = sorted({s.path for s in spec.eval_sources} - {s.path for s in spec.sources})
     if other:

@@ -16,10 +16,10 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from finetune.data.encode import ENCODER_VERSION, IGNORE, chat_template, encode_all
+from finetune.data.encode import ENCODER_VERSION, IGNORE, chat_layout, chat_template, encode_all
 from finetune.data.examples import Examples, scan
 from finetune.data.explain import length_figures, length_lines
-from finetune.data.formats import BadRows
+from finetune.data.formats import BadRows, detect_format
 from finetune.data.mixing import Rows, read_all
 from finetune.recipe import DataSpec
 from finetune.util.errors import RecipeError
@@ -270,8 +270,25 @@ def prepare(spec: DataSpec, tok, vocab_size: int | None = None) -> Prepared:
     # No packing statistics here: they pack every row (trl imported) for a figure only `finetune data`
     # shows, and it computes them itself (batching.batch_stats).
     stats = {"rows": len(train), "eval_rows": len(evals), "rows_skipped": len(bad), "bad_rows": bad.first(5),
-             **counts, **token_stats(train), **chat_stats(train), "sources": rows.per_source}
+             **counts, **token_stats(train), **chat_stats(train), "sources": rows.per_source,
+             "prompt_layout": _prompt_layout(rows, spec, tok)}
     return Prepared(train, evals, eval_rows, stats)
+
+
+def _prompt_layout(rows: Rows, spec: DataSpec, tok) -> str | None:
+    """How text instruction and prompt/completion rows train ("chat" or "raw", encode.chat_layout), as the
+    first trained row that is not a chat shows; None when there is none of those."""
+    import numpy as np
+
+    used = np.frombuffer(rows.train, dtype=np.int64)
+    plain = used[~rows.chat[used]][:1]
+    if not len(plain):
+        return None
+    text, fmt = rows.texts_of(plain)[0]
+    fmt = detect_format(json.loads(text)) if fmt == "auto" else fmt
+    if fmt not in ("instruction", "prompt_completion"):
+        return None
+    return "chat" if chat_layout(spec, tok) else "raw"
 
 
 def token_stats(examples: Sequence[dict]) -> dict:

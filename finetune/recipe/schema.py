@@ -175,11 +175,13 @@ class DataSpec(_Section):
     """Jinja chat template overriding the tokenizer's own, for `messages`/`sharegpt` data, or `chatml`
     for the builtin ChatML one. It gets each row's `tools`; every assistant turn trains as it renders at
     inference (docs/data.md). {% generation %} markers, if any, pick the trained tokens inside each turn."""
-    prompt_template: Literal["raw", "chat"] = "raw"
-    """How `instruction` and `prompt_completion` rows with text fields train. `raw`: the prompt text
-    (`instruction` newline `input` newline) continued by the completion. `chat`: the prompt as the user turn
-    and the completion as the assistant turn, rendered with the chat template (an instruction's input follows
-    it after a blank line): what a chat server sends an -Instruct model. `generate` and `eval` prompt the same way."""
+    prompt_template: Literal["auto", "raw", "chat"] = "auto"
+    """How `instruction` and `prompt_completion` rows with text fields train. `chat`: the prompt as the user
+    turn and the completion as the assistant turn, rendered with the chat template (an instruction's input
+    follows it after a blank line): what a chat server sends an -Instruct model. `raw`: the prompt text
+    (`instruction` newline `input` newline) continued by the completion, for base models and completion
+    APIs. `auto`: `chat` when there is a chat template (the tokenizer's, or `chat_template`), else `raw`.
+    `generate` and `eval` prompt the same way."""
     on_bad_row: Literal["error", "skip"] = "error"
     """A broken row (bad JSON, missing field, wrong type, empty text): stop (exit 2) or skip and report."""
     max_samples: int | None = Field(None, ge=1)

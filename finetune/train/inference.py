@@ -68,14 +68,15 @@ def load_merged(path: Path):
     return recipe, tok, model
 
 
-def trains_chat(recipe) -> bool:
-    """Whether the recipe's training rows are chats (messages, sharegpt, conversational prompt/completion);
-    for `format: auto` and prompt_completion the first row of each source decides."""
+def trains_chat(recipe, tok) -> bool:
+    """Whether the recipe's training rows are chats (messages, sharegpt, conversational prompt/completion,
+    or text rows in the chat layout, encode.chat_layout); for `format: auto` and prompt_completion the first
+    row of each source decides."""
     from finetune.data.formats import BadRows
     from finetune.data.sources import iter_rows
     from finetune.util.log import log
 
-    if recipe.data.prompt_template == "chat":  # every text prompt trained as a user turn
+    if encode.chat_layout(recipe.data, tok):  # every text prompt trained as a user turn
         return True
     for src in recipe.data.sources:
         if src.format in ("messages", "sharegpt"):
@@ -94,11 +95,13 @@ def trains_chat(recipe) -> bool:
 
 def _prompt(row: dict, chat_layout: bool = False):
     """(prompt, expected answer) of a held-out row: a text prompt, or the messages before a chat's last
-    assistant turn; None for rows without one (text). With `chat_layout` (data.prompt_template: chat)
+    assistant turn; None for rows without one (text). With `chat_layout` (encode.chat_layout)
     instruction and prompt/completion rows are prompted as the user turn they trained as."""
     if "chosen" in row and "rejected" in row:  # a preference pair: its chosen answer is the expected one
         prompt, chosen, _ = encode.pair_prompt(row)
-        return prompt, chosen if isinstance(chosen, str) else chosen[-1]["content"]
+        if isinstance(chosen, str):
+            return ([{"role": "user", "content": prompt}] if chat_layout else prompt), chosen
+        return prompt, chosen[-1]["content"]
     chat = encode.last_turn(row)
     if chat:
         return chat
@@ -217,7 +220,7 @@ def _scores(model, tok, prepared, recipe, prefix: str = "", record: list | None 
     chosen = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in prepared.eval]
     res = {"eval_loss": heldout_loss(model, chosen, recipe),
            "exact_match": exact_match(model, tok, prepared.eval_rows, n, mnt, template, record,
-                                      recipe.data.prompt_template == "chat")}
+                                      encode.chat_layout(recipe.data, tok))}
     if pairs:
         res.update(preference_metrics(model, pairs, recipe))
     return {prefix + k: v for k, v in res.items()}

@@ -44,7 +44,7 @@ def test_generate_prompt_tokens_equal_training(chat_run, capsys):
     recipe, run_dir, rows = chat_run
     _, tok, _ = load_run(run_dir)
     template = encode.chat_template(recipe.data, tok)
-    assert trains_chat(recipe)  # so `generate` renders its prompts as chats without --chat
+    assert trains_chat(recipe, tok)  # so `generate` renders its prompts as chats without --chat
     for row in rows:
         trained = encode.encode(row, "auto", tok, recipe.data)
         start = next(i for i, lab in enumerate(trained["labels"]) if lab != encode.IGNORE)  # the assistant's first token

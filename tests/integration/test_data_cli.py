@@ -1,6 +1,7 @@
 """`python -m finetune data`: examples with trained tokens marked, stats as a last JSON line, and bad
 rows as exit 2 naming file and line (no traceback) or, with skip, counted and reported."""
 import json
+import re
 
 import pytest
 
@@ -40,7 +41,10 @@ def test_skip_continues_and_reports_the_bad_row(setup):
         assert key in stats
     assert "bad rows skipped: 1" in r.stdout and f"{data}:7" in r.stdout
     assert r.stdout.count("--- example") == 2
-    assert "reverse: red cat" in r.stdout and "\u27e6cat red<|end|>\u27e7" in r.stdout  # ⟦trained⟧
+    # the default layout (auto) on a model with a chat template: the prompt as the user turn, ⟦trained⟧
+    shown = r"<\|user\|>\nreverse: red cat \d+\n\n<\|assistant\|>\n\u27e6cat red<\|end\|>\n\u27e7"
+    assert re.search(shown, r.stdout), r.stdout
+    assert "rows train as a user and an assistant turn of the chat template (data.prompt_template: auto" in r.stdout
 
 
 def test_dataset_flag_replaces_the_sources_and_detects_the_format(setup, tmp_path):

@@ -17,7 +17,7 @@ def tiny(tmp_path, name="run", **sections):
     base = {
         "model": {"gradient_checkpointing": False},
         "data": {"eval_sources": [{"path": "builtin:tiny-instruct", "split": "eval"}], "max_seq_len": 64,
-                 "max_samples": 256},
+                 "max_samples": 256, "prompt_template": "raw"},  # the layout the tiny base knows, as its recipes
         "lora": {"dropout": 0.0},
         "train": {"micro_batch_size": 8, "max_steps": 4, "learning_rate": 3e-3, "log_every": 1},
         "eval": {"max_batches": 2},

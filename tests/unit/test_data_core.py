@@ -18,7 +18,8 @@ def trained_text(tok, ex):
 
 
 def test_prompt_completion_trains_only_the_completion(tok):
-    ex = E.encode({"prompt": "reverse: red cat\n", "completion": "cat red"}, "auto", tok, DataSpec())
+    ex = E.encode({"prompt": "reverse: red cat\n", "completion": "cat red"}, "auto", tok,
+                  DataSpec(prompt_template="raw"))
     assert trained_text(tok, ex) == "cat red<|end|>"
     assert tok.decode(ex["input_ids"]) == "reverse: red cat\ncat red<|end|>"
 

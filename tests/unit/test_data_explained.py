@@ -57,14 +57,14 @@ def test_rows_whose_prompt_fills_max_seq_len_are_counted_with_the_length_that_ke
     f = tmp_path / "alpaca.json"
     f.write_text(json.dumps(rows))
     with pytest.raises(RecipeError) as e:
-        prepare(_spec(f, eval_split=0, max_seq_len=32), tok)
+        prepare(_spec(f, eval_split=0, max_seq_len=32, prompt_template="raw"), tok)
     text = "\n".join(e.value.problems)
     assert "no training examples left" in text
     assert "data.max_seq_len: 40 examples dropped: their prompt fills all 32 tokens" in text, text
     longest = len(tok("word " * 59 + "\n")["input_ids"]) + 2  # the prompt, "ok" and EOS
     m = re.search(r"the longest example has (\d+) tokens; data.max_seq_len=(\d+) keeps 99%", text)
     assert m and abs(int(m.group(1)) - longest) <= 1, text
-    p = prepare(_spec(f, eval_split=0, max_seq_len=int(m.group(2))), tok)  # the fix it prints works
+    p = prepare(_spec(f, eval_split=0, max_seq_len=int(m.group(2)), prompt_template="raw"), tok)  # the fix works
     assert p.stats["rows"] >= 39 and p.stats["prompt_fills_max_seq_len"] <= 1
 
 
@@ -123,6 +123,37 @@ def test_prompt_template_chat_trains_instruction_rows_as_the_chat_a_server_sends
     assert all(t == -100 for t in ex["labels"][: len(prompt)]) and ex["labels"][len(prompt)] != -100
     assert tok.decode([t for t in ex["labels"] if t != -100]).startswith("river rocket cloud")
     assert _prompt(row, chat_layout=True) == (user, "river rocket cloud")
-    raw = encode(row, "instruction", tok, DataSpec())  # the default keeps the raw layout of earlier runs
+    assert encode(row, "instruction", tok, DataSpec()) == ex  # the default (auto): the chat layout, as there is a template
+    raw = encode(row, "instruction", tok, DataSpec(prompt_template="raw"))  # the raw layout when asked
     assert raw["input_ids"][: len(tok("Reverse the words.\ncloud rocket river\n")["input_ids"])] == \
         tok("Reverse the words.\ncloud rocket river\n")["input_ids"]
+
+
+def test_auto_layout_follows_the_chat_template_and_the_run_says_which(tmp_path, tok):
+    """prompt_template's default (auto): instruction rows train through the chat template when there is
+    one, as plain text when the tokenizer has none; the run's first lines say which, and how to change it."""
+    import copy
+
+    from finetune.data.encode import chat_layout
+    from finetune.data.explain import data_notes
+
+    plain_tok = copy.deepcopy(tok)
+    plain_tok.chat_template = None
+    assert chat_layout(DataSpec(), tok) and not chat_layout(DataSpec(), plain_tok)
+    assert not chat_layout(DataSpec(prompt_template="raw"), tok)
+    assert chat_layout(DataSpec(chat_template="chatml"), plain_tok)  # a recipe's own template counts
+    row = {"instruction": "Reverse the words.", "input": "cloud rocket", "output": "rocket cloud"}
+    f = tmp_path / "alpaca.json"
+    f.write_text(json.dumps([row] * 10))
+    for t, spec, want in ((tok, _spec(f), "as a user and an assistant turn of the chat template (data.prompt_template: auto"),
+                          (plain_tok, _spec(f), "as plain text, the prompt then the completion (data.prompt_template: "
+                                                "auto; the tokenizer has no chat template)"),
+                          (tok, _spec(f, prompt_template="raw"), "as plain text, the prompt then the completion "
+                                                                 "(data.prompt_template: raw)")):
+        p = prepare(spec, t)
+        assert any(want in line for line in data_notes(spec, p.stats)[0]), data_notes(spec, p.stats)
+    chats = tmp_path / "chat.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": "ok"}]}) + "\n")
+    p = prepare(_spec(chats, eval_split=0), tok)
+    assert not any("instruction and prompt/completion rows" in line for line in data_notes(_spec(chats), p.stats)[0])

@@ -6,6 +6,8 @@ from finetune.data import encode as E
 from finetune.data.chat import chat_examples
 from finetune.recipe import DataSpec
 
+RAW = DataSpec(prompt_template="raw")  # the plain layout these tests check (the default renders through the template)
+
 
 @pytest.fixture(scope="module")
 def tok():
@@ -41,16 +43,16 @@ def test_text_trains_every_token(tok):
 
 
 def test_prompt_completion_trains_the_completion_and_eos_only(tok):
-    ex = E.encode({"prompt": "reverse: red cat\n", "completion": "cat red"}, "prompt_completion", tok, DataSpec())
+    ex = E.encode({"prompt": "reverse: red cat\n", "completion": "cat red"}, "prompt_completion", tok, RAW)
     assert spans(tok, ex) == ["cat red<|end|>"]
     assert tok.decode(ex["input_ids"]) == "reverse: red cat\ncat red<|end|>"
 
 
 def test_instruction_trains_the_output_with_or_without_input(tok):
-    ex = E.encode({"instruction": "reverse", "input": "red cat", "output": "cat red"}, "auto", tok, DataSpec())
+    ex = E.encode({"instruction": "reverse", "input": "red cat", "output": "cat red"}, "auto", tok, RAW)
     assert tok.decode(ex["input_ids"]) == "reverse\nred cat\ncat red<|end|>"
     assert spans(tok, ex) == ["cat red<|end|>"]
-    ex = E.encode({"instruction": "say red", "output": "red"}, "instruction", tok, DataSpec())
+    ex = E.encode({"instruction": "say red", "output": "red"}, "instruction", tok, RAW)
     assert spans(tok, ex) == ["red<|end|>"]
 
 

@@ -23,11 +23,11 @@ def trained(ids, labels):
 
 
 def test_a_string_pair_is_two_prompt_completion_examples(tok):
-    spec = DataSpec()
-    ex = E.encode_all({"prompt": "first: red cat\n", "chosen": "red", "rejected": "cat"}, "auto", tok, spec)[0]
-    sft = E.encode({"prompt": "first: red cat\n", "completion": "red"}, "prompt_completion", tok, spec)
-    assert (ex["input_ids"], ex["labels"]) == (sft["input_ids"], sft["labels"])
-    assert tok.decode(trained(ex["rejected_ids"], ex["rejected_labels"])) == "cat<|end|>"
+    for spec, end in ((DataSpec(), "<|end|>\n"), (DataSpec(prompt_template="raw"), "<|end|>")):  # either layout
+        ex = E.encode_all({"prompt": "first: red cat\n", "chosen": "red", "rejected": "cat"}, "auto", tok, spec)[0]
+        sft = E.encode({"prompt": "first: red cat\n", "completion": "red"}, "prompt_completion", tok, spec)
+        assert (ex["input_ids"], ex["labels"]) == (sft["input_ids"], sft["labels"])
+        assert tok.decode(trained(ex["rejected_ids"], ex["rejected_labels"])) == "cat" + end
 
 
 @pytest.mark.parametrize("row", [
