@@ -43,17 +43,20 @@ def tables_whole(s, shard: int) -> bool:
     return shard > 1 and s.strategy == "fsdp" and getattr(s, "tables_whole", True) and not s.offload
 
 
+def table_bytes(arch: Arch, s, dtype_bytes: dict) -> int:
+    """Bytes of the input embedding and output head (one table when tied), in model.dtype."""
+    return arch.vocab * arch.hidden * (1 if arch.tied else 2) * dtype_bytes[s.model_dtype]
+
+
 def whole_table_bytes(arch: Arch, s, dtype_bytes: dict, shard: int) -> int:
     """Bytes of the tables each rank holds whole (0 when FSDP shards them, or nothing is sharded)."""
-    if not tables_whole(s, shard):
-        return 0
-    return arch.vocab * arch.hidden * (1 if arch.tied else 2) * dtype_bytes[s.model_dtype]
+    return table_bytes(arch, s, dtype_bytes) if tables_whole(s, shard) else 0
 
 
 def fsdp1_unit_bytes(arch: Arch, s, w: dict, dtype_bytes: dict, shard: int) -> int:
     """Bytes of FSDP1's largest wrapped unit, unsharded: a decoder layer (its 4-bit weights, adapters and
     norms), or the root when it holds the tables (when FSDP shards them: offloaded runs)."""
-    tables = arch.vocab * arch.hidden * (1 if arch.tied else 2) * dtype_bytes[s.model_dtype]
+    tables = table_bytes(arch, s, dtype_bytes)
     layer = (w["base_4bit"] + w.get("experts", 0) + w["lora"] + w["unquantized"] - tables) // arch.layers
     return max(layer, 0 if tables_whole(s, shard) else tables)
 

@@ -97,20 +97,19 @@ def _prompt(row: dict, chat_layout: bool = False):
     """(prompt, expected answer) of a held-out row: a text prompt, or the messages before a chat's last
     assistant turn; None for rows without one (text). With `chat_layout` (encode.chat_layout)
     instruction and prompt/completion rows are prompted as the user turn they trained as."""
+    def text(prompt: str):  # a text prompt as it trained: the user turn, or the text itself
+        return [{"role": "user", "content": prompt}] if chat_layout else prompt
+
     if "chosen" in row and "rejected" in row:  # a preference pair: its chosen answer is the expected one
         prompt, chosen, _ = encode.pair_prompt(row)
-        if isinstance(chosen, str):
-            return ([{"role": "user", "content": prompt}] if chat_layout else prompt), chosen
-        return prompt, chosen[-1]["content"]
+        return (text(prompt), chosen) if isinstance(chosen, str) else (prompt, chosen[-1]["content"])
     chat = encode.last_turn(row)
     if chat:
         return chat
     if isinstance(row.get("prompt"), str) and isinstance(row.get("completion"), str):
-        return ([{"role": "user", "content": row["prompt"]}] if chat_layout else row["prompt"]), row["completion"]
+        return text(row["prompt"]), row["completion"]
     if isinstance(row.get("instruction"), str) and isinstance(row.get("output"), str):
-        if chat_layout:
-            return [{"role": "user", "content": encode.instruction_user(row)}], row["output"]
-        return encode.instruction_prompt(row), row["output"]
+        return text(encode.instruction_user(row) if chat_layout else encode.instruction_prompt(row)), row["output"]
     return None
 
 

@@ -1,5 +1,5 @@
-"""FSDP1 over the meta model: FSDP1 flattens and shards each wrapped unit as usual, then each rank fills only its
-own slice of every flat parameter from the checkpoint (the load plan says what each parameter is).
+"""FSDP1 over the streamed model: FSDP1 flattens and shards each wrapped unit as usual, then each rank fills
+only its own slice of every flat parameter from the checkpoint (the load plan says what each parameter is).
 
 - `param_init(plan, device)` (FSDP1's public `param_init_fn`, called per unit just before FSDP1 flattens it):
   the unit's base parameters, meta until now, get uninitialised memory of their full shape on the compute
@@ -26,15 +26,14 @@ from finetune.weights.packed_experts import expert_range
 from finetune.weights.reader import materialize
 
 
-def swap_storage(t: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
-    """Point the tensor object `t` at `data` and return what it pointed at. `.data =` cannot move a tensor
-    from meta to a real device; torch.utils.swap_tensors can, and here `t` keeps its class and attributes
-    (a Params4bit's quantization arguments)."""
+def swap_storage(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Point the tensor object `t` at `data`. `.data =` cannot move a tensor from meta to a real device;
+    torch.utils.swap_tensors can, and here `t` keeps its class and attributes (a Params4bit's quantization
+    arguments)."""
     new = torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data
     new.__class__, new.__dict__ = t.__class__, t.__dict__
     torch.utils.swap_tensors(t, new)
     new.__dict__ = {}
-    return new.data
 
 
 def param_init(plan, device: torch.device):

@@ -87,6 +87,18 @@ class _Recording:
         return getattr(self.tok, name)
 
 
+def _strings(value):
+    """Every string inside a row (its fields, and the contents of its messages)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
+
+
 @pytest.mark.parametrize("row", [{"text": "many words " * 100_000},
                                  {"prompt": "say it\n", "completion": "again and " * 100_000},
                                  {"messages": [{"role": "user", "content": "hi " * 100_000},
@@ -99,7 +111,9 @@ def test_a_huge_row_is_cut_before_it_is_tokenized_with_the_same_result(tok, row)
     spec = DataSpec(max_seq_len=64, chat_template="chatml")
     rec = _Recording(tok)
     got = E.encode(row, "auto", rec, spec)
-    assert rec.longest <= 64 * E.CHARS_PER_TOKEN_CAP + 128  # + the template's own characters and the short field
+    cap = 64 * E.CHARS_PER_TOKEN_CAP
+    beside = sum(len(v) for v in _strings(row) if len(v) <= cap)  # the short fields rendered with the long one
+    assert rec.longest <= cap + beside + 64  # + the template's own characters
     whole = E.encode(row, "auto", tok, DataSpec(max_seq_len=10**9, chat_template="chatml"))
     assert got["input_ids"][:64] == whole["input_ids"][:64] and got["labels"][:64] == whole["labels"][:64]
     assert len(got["input_ids"]) > 64 and len(whole["input_ids"]) > 64
