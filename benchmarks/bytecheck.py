@@ -44,10 +44,10 @@ def nan_patterns(t: torch.Tensor) -> int:
     return int(torch.isnan(t.detach()).sum()) if t.dtype.is_floating_point else 0
 
 
-def logits(model, ids: torch.Tensor, acc) -> torch.Tensor:
-    from finetune.train.parallel import autocast
+def logits(model, ids: torch.Tensor, acc, train) -> torch.Tensor:
+    from finetune.train.precision import autocast
 
-    with torch.no_grad(), autocast(acc):
+    with torch.no_grad(), autocast(train, acc.device.type):
         return model(input_ids=ids).logits.float().cpu()
 
 
@@ -59,8 +59,9 @@ def main(argv: list[str]) -> int:
     from finetune.train.lora import apply_lora
     from finetune.train.optim import build_optimizer
     from finetune.train.parallel import make_accelerator, wrap
-    from finetune.weights.model import fill_shards, load_model, load_with_plan
-    from finetune.weights.placement import Placement, placement_for
+    from finetune.weights.load.model import load_model, load_with_plan
+    from finetune.weights.shard.fsdp import fill_shards
+    from finetune.weights.load.placement import Placement, placement_for
 
     rec = load(argv[0])
     acc = make_accelerator(rec.distributed, rec.fsdp, rec.train, rec.model.dtype)
@@ -73,7 +74,7 @@ def main(argv: list[str]) -> int:
     del packed
     ids = torch.randint(0, whole.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0)).to(acc.device)
     whole.eval()
-    want = logits(whole, ids, acc)
+    want = logits(whole, ids, acc, rec.train)
     del whole
 
     model, plan = load_with_plan(rec.model, rec.quantization, placement_for(acc))
@@ -99,7 +100,7 @@ def main(argv: list[str]) -> int:
         if isinstance(m, FSDPModule):
             m.reshard()
     model.eval()
-    got = logits(model, ids, acc)
+    got = logits(model, ids, acc, rec.train)
     diff = float((got - want).abs().max())
     ok = not shard_bad and not gathered_bad and diff == 0.0
     flags = torch.tensor([0 if ok else 1], device=acc.device)

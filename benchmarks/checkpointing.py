@@ -38,7 +38,7 @@ def count_flops(checkpointing: bool) -> dict:
     from finetune.train.lora import apply_lora
     from finetune.train.loss import token_loss_sum
     from finetune.train.lora import enable_checkpointing
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     _register_bnb_formula()
     rec = recipe_mod.load(TINY_RECIPE, ["model.attn_implementation=eager",

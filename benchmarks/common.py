@@ -205,6 +205,6 @@ def resolved_precision(rec):
     of a side-by-side row computes as finetune does."""
     import torch
 
-    from finetune.weights.device import resolve_cpu_precision
+    from finetune.train.precision import resolve_cpu_precision
 
     return resolve_cpu_precision(rec, on_cpu=not torch.cuda.is_available())[0]

@@ -170,7 +170,7 @@ def measure(a: argparse.Namespace, argv: list[str], run_dir: Path) -> dict | Non
     from finetune.plan.archs import resolve
     from finetune.recipe import load
     from finetune.train.loop import train
-    from finetune.weights.resolve import load_tokenizer
+    from finetune.weights.load.resolve import load_tokenizer
 
     rec = load(a.recipe, bench_overrides(a, run_dir))
     torch.cuda.reset_peak_memory_stats()

@@ -207,7 +207,7 @@ def _timed(fn, dev, reps: int = 10) -> float:
 def stage_models(work: Path, sh_: dict) -> dict:
     """Build the 8B models into the cache (drawn on the GPU when there is one); the 70B-width one is built by
     its own stage, which may be skipped."""
-    from finetune.weights.synthetic import synthetic_dir
+    from finetune.weights.built.synthetic import synthetic_dir
 
     out = {}
     for key in ("m8", "m8_short"):
@@ -224,7 +224,7 @@ def built(model: str, log: Path) -> None:
     from finetune.util import synthetic_names
 
     if synthetic_names.is_synthetic(model) and not (synthetic_names.cache_dir(model) / ".complete").exists():
-        must(sh([sys.executable, "-c", f"from finetune.weights.synthetic import synthetic_dir; synthetic_dir({model!r})"],
+        must(sh([sys.executable, "-c", f"from finetune.weights.built.synthetic import synthetic_dir; synthetic_dir({model!r})"],
                 log=log), f"building {model}")
 
 
@@ -341,7 +341,7 @@ def stage_fsdp(work: Path, sh_: dict, version: int) -> dict:
 
 def stage_load70b(work: Path, sh_: dict) -> dict:
     """The 70B-width model (few layers): GPU memory after load and wrap (2 steps) against the planner."""
-    from finetune.weights.synthetic import synthetic_dir
+    from finetune.weights.built.synthetic import synthetic_dir
 
     t0 = time.perf_counter()
     synthetic_dir(sh_["m70"])  # built first, in this process: the run's load phase then holds the load alone

@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     from transformers import AutoTokenizer, BitsAndBytesConfig, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from finetune.weights.synthetic import synthetic_dir
+    from finetune.weights.built.synthetic import synthetic_dir
     from finetune.util.synthetic_names import token_rows
 
     model_dir = str(synthetic_dir(s["m8"]))

@@ -63,9 +63,10 @@ def worker(out: str, model_dir: str, version: int) -> None:
 
     from finetune.recipe import DistributedSpec, FsdpSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
     from finetune.train import parallel as D
-    from finetune.weights.placement import placement_for
+    from finetune.weights.load.placement import placement_for
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import fill_shards, load_with_plan
+    from finetune.weights.load.model import load_with_plan
+    from finetune.weights.shard.fsdp import fill_shards
     from finetune.train.optim import build_optimizer
 
     base = _status_kib("VmRSS")
@@ -114,7 +115,7 @@ def planned(name: str, procs: int, version: int) -> int:
 
 
 def run(layers: int = 22) -> dict:
-    from finetune.weights.resolve import resolve_name
+    from finetune.weights.load.resolve import resolve_name
 
     name = MODEL.format(layers=layers)
     model_dir = resolve_name(name)  # built once into the finetune cache

@@ -4,7 +4,7 @@ The data: N_EXAMPLES prompt/completion rows, 7 in 8 short and every eighth up to
 data often is), encoded by finetune's own pipeline. Packing efficiency and padding fractions are measured
 on the whole set (rows of MAX_LEN; micro-batches of BATCH).
 
-The speed: real QLoRA steps on the builtin tiny model (4-bit NF4 base via finetune.weights.model.load_model, LoRA
+The speed: real QLoRA steps on the builtin tiny model (4-bit NF4 base via finetune.weights.load.model.load_model, LoRA
 via finetune.train.lora.apply_lora, the loop's own loss finetune.train.loss.token_loss_sum, 8-bit AdamW). The first
 TIMED_ROWS packed rows, and the very same examples dynamically padded (seeded order, batches of BATCH
 examples padded to their longest), each make one optimizer step whose micro-batches are accumulated as
@@ -74,8 +74,8 @@ def run() -> dict:
     from finetune.recipe import DataSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
     from finetune.train.lora import apply_lora
     from finetune.train.loss import token_loss_sum
-    from finetune.weights.model import load_model
-    from finetune.weights.resolve import load_tokenizer
+    from finetune.weights.load.model import load_model
+    from finetune.weights.load.resolve import load_tokenizer
     from finetune.train.optim import build_optimizer
 
     mspec, tspec = ModelSpec(gradient_checkpointing=False), TrainSpec(optimizer="adamw_8bit")

@@ -81,7 +81,7 @@ def packed_bytes(model: str) -> int:
 
 def run(layers: int = 16, only: list[str] | None = None, model: str | None = None) -> dict:
     model = model or MODEL.format(layers=layers)
-    from finetune.weights.synthetic import synthetic_dir
+    from finetune.weights.built.synthetic import synthetic_dir
 
     if model.startswith("synthetic:"):
         synthetic_dir(model)  # built once, before any run measures itself

@@ -76,7 +76,7 @@ def export(seed: int, steps: int, window: int, tmp: Path) -> dict:
     """finetune's prepared rows for this seed, written for TRL's side; the settings both arms get."""
     from finetune import recipe as recipe_mod
     from finetune.data.prepare import prepare
-    from finetune.weights.resolve import load_tokenizer, resolve_name
+    from finetune.weights.load.resolve import load_tokenizer, resolve_name
 
     ov = overrides(seed, steps, window)
     rec = recipe_mod.load(TINY_RECIPE, ov)
@@ -110,8 +110,8 @@ def score(adapter: str, seed: int, steps: int, window: int, extra: tuple = ()) -
     from finetune.data import encode
     from finetune.data.prepare import prepare
     from finetune.train.inference import exact_match, heldout_loss
-    from finetune.weights.model import load_model
-    from finetune.weights.resolve import load_tokenizer
+    from finetune.weights.load.model import load_model
+    from finetune.weights.load.resolve import load_tokenizer
 
     rec = recipe_mod.load(TINY_RECIPE, [*overrides(seed, steps, window), *extra])
     # as `finetune eval` scores a run: with the precision its recipe.yaml holds (resolved for this machine)
@@ -130,7 +130,7 @@ def collators_agree(settings: dict, batches: int) -> dict:
     from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
     from finetune.data.batching import collate
-    from finetune.weights.resolve import load_tokenizer
+    from finetune.weights.load.resolve import load_tokenizer
     from finetune.recipe import load
 
     tok = load_tokenizer(load(TINY_RECIPE, settings["overrides"]).model)

@@ -22,7 +22,7 @@ GREEN, RESET = "\033[1;32m", "\033[0m"
 def tokenizer_for(model_spec):
     """The recipe's tokenizer. For the builtin model only its tokenizer files are needed, so the shipped
     ones are read directly (never building or loading weights just to look at data)."""
-    from finetune.weights.resolve import load_tokenizer
+    from finetune.weights.load.resolve import load_tokenizer
     from finetune.util import builtin as tiny
 
     shipped = tiny.ASSETS / f"tiny-llama-{tiny.VERSION}"
@@ -141,7 +141,7 @@ def run(args) -> int:
     # torch only now: a bad recipe or argument is refused at once
     from finetune.data.batching import batch_stats, packing_layout
     from finetune.data.prepare import prepare
-    from finetune.weights.resolve import resolve_attention
+    from finetune.weights.load.resolve import resolve_attention
 
     if args.dataset:
         recipe.data.sources = [DataSource(path=args.dataset)]

@@ -19,7 +19,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from finetune.weights.prequant import write_prequantized
+    from finetune.weights.built.prequant import write_prequantized
     from finetune.util.errors import RecipeError
 
     recipe = load_recipe(args)

@@ -44,7 +44,7 @@ def vllm_max_lora_rank(cfg: dict) -> int:
 def serving_lines(src, tokenizer_config: dict) -> list[str]:
     """What the clients need to serve this model as trained (docs/deploy.md has the full commands).
     `tokenizer_config`: the tokenizer_config.json written beside the merged weights."""
-    from finetune.weights.portable import base_reference
+    from finetune.artefacts.adapter import base_reference
 
     cfg = src.adapter_config
     base, _ = base_reference(src.recipe.model.name if src.recipe else src.base_name, src.base_name)

@@ -85,7 +85,7 @@ def check_prompts(src, n: int = 4) -> list[str]:
 
 
 def _logits(model, tok, prompts) -> list[torch.Tensor]:
-    from finetune.weights.device import to_model_device
+    from finetune.data.transfer import to_model_device
 
     model.eval()
     with torch.no_grad():
@@ -97,25 +97,19 @@ def reference_model(src, target: str):
     """Base + adapter, unmerged, in plain peft: fp32 base for `original`, the training-time 4-bit base
     (fp32 compute) for `nf4`."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM
 
+    from finetune.artefacts.adapter import quiet_peft_wrap
     from finetune.merge.experts import roundtrip_fused
     from finetune.merge.source import quant_spec
-    from finetune.weights.portable import quiet_peft_wrap
+    from finetune.weights.bnb import disable_cpu_weight_repacking, four_bit_config
 
     if target == "nf4":
         q = quant_spec(src.recipe)
         storage = src.recipe.effective_quant_storage() if src.recipe else "float32"
-        bnb = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=q.quant_type,
-                                 bnb_4bit_use_double_quant=q.double_quant, bnb_4bit_compute_dtype=torch.float32,
-                                 bnb_4bit_quant_storage=torch_dtype(storage))
+        bnb = four_bit_config(q.quant_type, q.double_quant, torch.float32, torch_dtype(storage))
         base = AutoModelForCausalLM.from_pretrained(src.base_dir, quantization_config=bnb, dtype=q.dtype)
-        for m in base.modules():
-            # On AVX512-BF16 CPUs, bitsandbytes' eval-mode Linear4bit repacks the weight for a kernel that
-            # computes in bf16 whatever compute_dtype says (0.4% error on the tiny model). Training takes
-            # the dequantize-then-matmul path, which is what the merged weights reproduce: force it.
-            if hasattr(m, "support_avx512bf16_for_cpu"):
-                m.support_avx512bf16_for_cpu = False
+        disable_cpu_weight_repacking(base)  # the dequantize-then-matmul path training took, which merging reproduces
         roundtrip_fused(base, q)  # transformers leaves MoE experts dense; training held them 4-bit
     else:
         base = AutoModelForCausalLM.from_pretrained(src.base_dir, dtype=torch.float32)

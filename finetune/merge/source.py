@@ -65,7 +65,7 @@ def find_base(cfg: dict, recipe) -> tuple[str, Path]:
         if name in BUILTIN_MODELS:  # only known builtin models: any other name may be a local dir or cached
             return name, builtin_dir(name)
         if name.startswith("synthetic:"):  # adapters name these bases portably (weights/portable.py)
-            from finetune.weights.synthetic import synthetic_dir
+            from finetune.weights.built.synthetic import synthetic_dir
 
             return name, synthetic_dir(name)
         if Path(name).expanduser().is_dir():

@@ -27,7 +27,7 @@ from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, magnitude_k
 from finetune.merge.output import output_dir, up_to_date, write_error
 from finetune.util.sibling import apply_umask, carried_oserror, clean_stale, temp_dir
 from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
-from finetune.weights.portable import save_tokenizer
+from finetune.artefacts.tokenizer import save_tokenizer
 from finetune.util.atomic import replace_dir
 from finetune.util.digest import file_sha256
 from finetune.util.dtypes import recipe_name, torch_dtype

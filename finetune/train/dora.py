@@ -9,7 +9,7 @@ it), and the placeholder goes back right after: one whole weight in memory at a 
 """
 from __future__ import annotations
 
-from finetune.weights.reader import materialize
+from finetune.weights.load.reader import materialize
 
 
 def add_dora(model, plan, adapter: str = "default") -> int:

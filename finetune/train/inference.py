@@ -17,7 +17,7 @@ from finetune.data import batching, encode
 from finetune.data.prepare import prepare
 from finetune.plan.archs import vocab_size
 from finetune.recipe.rundir import read_recipe
-from finetune.weights.device import model_device, to_model_device
+from finetune.data.transfer import model_device, to_model_device
 from finetune.util.errors import RecipeError
 
 
@@ -27,10 +27,10 @@ def load_run(run_dir: Path, merged: bool = False):
     from peft import PeftModel
 
     from finetune.train.runcheck import checked_run
-    from finetune.weights.expert_lora import adopt
-    from finetune.weights.portable import quiet_peft_wrap
-    from finetune.weights.model import load_model
-    from finetune.weights.resolve import load_tokenizer
+    from finetune.weights.experts.expert_lora import adopt
+    from finetune.artefacts.adapter import quiet_peft_wrap
+    from finetune.weights.load.model import load_model
+    from finetune.weights.load.resolve import load_tokenizer
 
     if merged:
         return load_merged(run_dir)

@@ -36,18 +36,19 @@ from finetune.train.lora import apply_lora, enable_checkpointing, load_adapter_i
 from finetune.train.loss import loss_totals, setup_forward
 from finetune.train.preference import eval_totals
 from finetune.train.refpolicy import attach_reference
-from finetune.train.keepers.memory import PhaseMemory
-from finetune.train.keepers.memory import table as memory_table
-from finetune.train.keepers.memory import tracker_values
+from finetune.train.keepers.memory import PhaseMemory, tracker_values, table as memory_table
 from finetune.train.optim import build_optimizer, build_scheduler, schedule_note
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.train.stop import StopSignal
-from finetune.weights.device import release_cached_memory, resolve_cpu_precision
-from finetune.weights.model import fill_shards, load_with_plan
-from finetune.weights.placement import placement_for
-from finetune.weights.portable import portable_peft_config, save_tokenizer
-from finetune.weights.resolve import load_tokenizer
+from finetune.train.precision import resolve_cpu_precision
+from finetune.weights.heap import release_cached_memory
+from finetune.weights.load.model import load_with_plan
+from finetune.weights.shard.fsdp import fill_shards
+from finetune.weights.load.placement import placement_for
+from finetune.artefacts.adapter import portable_peft_config
+from finetune.artefacts.tokenizer import save_tokenizer
+from finetune.weights.load.resolve import load_tokenizer
 from finetune.util.errors import RecipeError
 from finetune.util.log import log
 

@@ -9,14 +9,14 @@ from finetune.recipe import LoraSpec, ModelSpec
 from finetune.train.dora import add_dora
 from finetune.util.errors import RecipeError
 from finetune.util.dtypes import torch_dtype
-from finetune.weights.portable import quiet_peft_wrap
+from finetune.artefacts.adapter import quiet_peft_wrap
 
 
 def expert_parameters(model) -> list[str]:
     """Suffixes (`experts.gate_up_proj`, ...) of the fused 3-D MoE expert parameters of `model`: the
     parameters of a module whose class name ends in `Experts` (transformers 5's MixtralExperts,
     Qwen3MoeExperts, or their 4-bit PackedExperts), in model order, each once."""
-    from finetune.weights.experts4bit import PackedExperts
+    from finetune.weights.experts.module import PackedExperts
 
     found: list[str] = []
     for module in model.modules():
@@ -92,7 +92,7 @@ def apply_lora(model, spec: LoraSpec, seed: int, plan=None):
     with quiet_peft_wrap():
         model = get_peft_model(model, config, autocast_adapter_dtype=False)
     if config.target_parameters:
-        from finetune.weights.expert_lora import adopt
+        from finetune.weights.experts.expert_lora import adopt
 
         adopt(model)  # 4-bit experts: peft's ParamWrapper with a forward that fits packed bytes
     if streamed_dora:

@@ -16,8 +16,8 @@ from finetune.plan.attention import uses_cpu_math_kernel
 from finetune.plan.logits import chunk_rows
 from finetune.train import lean
 from finetune.train.offload import setup_offload
-from finetune.weights.device import to_device
-from finetune.train.parallel import autocast
+from finetune.data.transfer import to_device
+from finetune.train.precision import autocast
 
 # Config fields of models whose forward changes the logits after the output head (Gemma 2 soft-capping,
 # Cohere's logit scale, Granite's divisor): the head's result is not the logits there, so those models

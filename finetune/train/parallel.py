@@ -2,7 +2,7 @@
 
 The fp32-preserving setup (DESIGN.md) is the default: Accelerate runs with mixed_precision="no", so FSDP
 never casts parameters (the packed 4-bit storage must never be cast), master weights and buffers stay in
-their stored dtype, and the loop gets bf16 compute from `autocast(...)` around the forward.
+their stored dtype, and the loop gets bf16 compute from `precision.autocast(...)` around the forward.
 
 FSDP on CPU: Accelerate only turns FSDP on for GPU-like distributed types. Without a device it builds a
 gloo process group (MULTI_CPU) and would train each process alone, unsharded, without a word. We build
@@ -11,7 +11,6 @@ code a GPU run runs (fully_shard / FullyShardedDataParallel). `prepare` checks t
 """
 from __future__ import annotations
 
-import contextlib
 import difflib
 import os
 import warnings
@@ -19,11 +18,11 @@ import warnings
 import torch
 
 from finetune.recipe import DistributedSpec, FsdpSpec, TrainSpec
-from finetune.weights.device import cuda_unusable_reason
-from finetune.util.dtypes import autocast_dtype, torch_dtype
+from finetune.train.machine import cuda_unusable_reason
+from finetune.util.dtypes import torch_dtype
 from finetune.util.errors import RecipeError, RunError
 from finetune.util.log import log
-from finetune.weights.model import disable_cpu_weight_repacking
+from finetune.weights.shard.fsdp import before_wrap
 
 # FSDP2 expresses FSDP1's two plain strategies as a bool; the hybrid/replicated ones need a 2-D mesh.
 _FSDP2_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False}
@@ -115,8 +114,8 @@ def _fsdp_mixed_precision(version: int, param_dtype: torch.dtype):
 def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, model_dtype: str, **trackers):
     """An Accelerator for `dist.strategy`; FSDP on CPU goes through the real FSDP path (see module doc).
 
-    The returned accelerator has mixed_precision="no"; `autocast(accelerator)` gives the forward's
-    autocast from `train.mixed_precision`. Its gradient_accumulation_steps stays 1: the loop owns
+    The returned accelerator has mixed_precision="no"; the forward's autocast comes from
+    `train.mixed_precision` (train/precision.autocast). Its gradient_accumulation_steps stays 1: the loop owns
     accumulation and normalises the loss by the step's tokens itself, and Accelerate would divide every
     `accelerator.backward` by the accumulation steps once more. `trackers`: log_with and project_config
     (train.keepers.trackers.accelerator_kwargs).
@@ -164,7 +163,6 @@ def make_accelerator(dist: DistributedSpec, fsdp: FsdpSpec, train: TrainSpec, mo
     if plugin is not None and acc.distributed_type != DistributedType.FSDP:
         log.info(f"fsdp: {acc.num_processes} process without a launcher; nothing to shard, training unsharded "
                  "(start several with `accelerate launch` or torchrun)")
-    acc._finetune_autocast_dtype = autocast_dtype(train.mixed_precision)
     if fsdp.cpu_offload and on_cpu and dist.strategy == "fsdp":
         log.info("fsdp: cpu_offload has no effect on CPU (parameters already live in CPU RAM)")
     return acc
@@ -196,25 +194,6 @@ def fsdp_on_cpu(acc, plugin, version: str | None = None) -> None:
     if plugin.fsdp_version == 1:
         state.device = torch.device("cpu")
 
-
-@contextlib.contextmanager
-def autocast(accelerator_or_spec, device_type: str | None = None):
-    """Autocast for the forward pass (bf16/fp16 from train.mixed_precision; "no": nothing).
-
-    Takes the Accelerator from `make_accelerator`, or a TrainSpec plus the device type. Parameters keep
-    their dtype: only the matmuls run in the low-precision type, so fp32 master weights and fp32
-    buffers are preserved.
-    """
-    if isinstance(accelerator_or_spec, TrainSpec):
-        dtype = autocast_dtype(accelerator_or_spec.mixed_precision)
-    else:
-        dtype = getattr(accelerator_or_spec, "_finetune_autocast_dtype", None)
-        device_type = device_type or accelerator_or_spec.device.type
-    if dtype is None:
-        yield
-        return
-    with torch.autocast(device_type=device_type or ("cuda" if torch.cuda.is_available() else "cpu"), dtype=dtype):
-        yield
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -274,11 +253,12 @@ def is_sharded(model) -> bool:
 
 def wrap(accelerator, model, optimizer, plan=None):
     """(model, optimizer) = accelerator.prepare(model, optimizer) plus what FSDP needs around it. With the
-    loader's plan (FSDP placements) the base is wrapped as meta tensors, which `weights.model.fill_shards`
+    loader's plan (FSDP placements) the base is wrapped as meta tensors, which `weights.shard.fsdp.fill_shards`
     fills next with the same plan.
 
-    Before: bitsandbytes' in-place CPU repacking is switched off (see disable_cpu_weight_repacking) and
-    the wrap policy is completed from the loaded model. After: the model must really be sharded
+    Before: the wrap policy is completed from the loaded model, and the one call into the loader,
+    `weights.shard.fsdp.before_wrap`, readies the base (bitsandbytes' in-place CPU repacking off; under FSDP
+    the meta tensors to shard, FSDP1's param_init_fn, the frozen tables left whole). After: the model must really be sharded
     (a silent unsharded run proves nothing), and rank 0 logs one line saying how.
     FSDP2 swaps parameters for DTensors; the optimizer is handed the new ones by Accelerate, which is why
     model and optimizer are wrapped together. Keep the LR scheduler out of accelerator.prepare:
@@ -287,27 +267,15 @@ def wrap(accelerator, model, optimizer, plan=None):
     """
     from accelerate.utils import DistributedType
 
-    from finetune.weights import fsdp1, skeleton
-
-    disable_cpu_weight_repacking(model)
-    fsdp = accelerator.distributed_type == DistributedType.FSDP
-    if fsdp:
-        plugin = accelerator.state.fsdp_plugin
+    plugin = accelerator.state.fsdp_plugin if accelerator.distributed_type == DistributedType.FSDP else None
+    if plugin is not None:
         complete_wrap_policy(plugin, model)
-    meta = fsdp and plan is not None
-    if meta:
-        # The streaming loader left the base as placeholders: FSDP shards meta tensors of the full shape.
-        skeleton.before_wrap(model, plan)
-        plan.offload = _offloads_params(plugin)
-        if plugin.fsdp_version == 1:
-            plugin.param_init_fn = fsdp1.param_init(plan, accelerator.device)
-        if not plan.offload:  # offloaded, FSDP moves what it manages; a table left out would stay off the GPU
-            plugin.ignored_modules = replicated_modules(model) or None
+    before_wrap(model, plan, plugin, accelerator.device)  # the meta tensors FSDP shards; what each version needs
     with warnings.catch_warnings():
         # FSDP1 at world size 1 warns that it runs NO_SHARD; the recipe check has said so in its own words
         warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
         out = accelerator.prepare(model, optimizer)
-    if fsdp:
+    if plugin is not None:
         if not is_sharded(out[0]):
             raise RuntimeError(f"FSDP was configured but prepare returned an unsharded {type(out[0]).__name__}")
         log.info(describe_fsdp(accelerator))
@@ -323,19 +291,6 @@ def leave_process_group() -> None:
         distributed.destroy_process_group()
 
 
-def replicated_modules(model) -> list:
-    """The frozen input embedding and output head, which FSDP (2 and 1) then leaves whole on every rank
-    instead of sharding them. Sharded, they sit in the root unit, which FSDP gathers for the whole forward
-    and backward: at a step's peak a rank holds its shard AND the whole tables, and the all-gather's own
-    output buffer besides (measured on CPU: benchmarks/phase_rss.py). Whole, a rank holds them once and
-    no step gathers them. Trained ones (an adapter on the embedding, `modules_to_save`) stay sharded."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    out = []
-    for m in (base.get_input_embeddings(), base.get_output_embeddings()):
-        if m is not None and m not in out and not any(p.requires_grad for p in m.parameters()):
-            out.append(m)
-    return out
-
 
 def host_group(accelerator):
     """A gloo process group over all ranks for the host values the loop agrees on every micro-batch (the
@@ -348,10 +303,3 @@ def host_group(accelerator):
     return distributed.new_group(backend="gloo")
 
 
-def _offloads_params(plugin) -> bool:
-    """Whether FSDP keeps the parameter shards in CPU memory (Accelerate turns `cpu_offload` into torch's
-    FSDP2 CPUOffloadPolicy or FSDP1 CPUOffload)."""
-    from torch.distributed.fsdp import CPUOffload, CPUOffloadPolicy
-
-    policy = plugin.cpu_offload
-    return isinstance(policy, CPUOffloadPolicy) or (isinstance(policy, CPUOffload) and policy.offload_params)

@@ -43,7 +43,7 @@ def cuda_facts() -> tuple[int, bool, int | None]:
 
     if not torch.cuda.is_available():
         return 0, False, None
-    from finetune.weights.device import bf16_native
+    from finetune.train.machine import bf16_native
 
     # Not torch.cuda.is_bf16_supported(): it is True on a T4 (7.5) too, where bf16 is emulated and slow.
     return (torch.cuda.device_count(), bf16_native(torch.cuda.get_device_capability(0)),
@@ -164,7 +164,7 @@ def environment_problems(r: Recipe, env, launched: bool) -> list[Problem]:
                                message=f"flash_attention_2 requested but {why}: training falls back to sdpa",
                                fix="set model.attn_implementation: sdpa (or install flash-attn on a CUDA machine)"))
     if not count and gpu_nodes_present():
-        from finetune.weights.device import cuda_unusable_reason
+        from finetune.train.machine import cuda_unusable_reason
 
         why = cuda_unusable_reason()
         if why:  # training would stop here too (make_accelerator); say it before any weights load

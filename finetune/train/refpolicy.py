@@ -24,7 +24,7 @@ from finetune.train.preference import sequence_logps
 from finetune.util import atomic
 from finetune.util.errors import RunError
 from finetune.util.log import log
-from finetune.weights.device import to_device
+from finetune.data.transfer import to_device
 
 FILE = Path("reference") / "logps.json"
 

@@ -40,7 +40,7 @@ class StopSignal:
         self.previous = {}
         for sig in STOP_SIGNALS:
             try:
-                self.previous[sig] = signal.signal(sig, self._handle)
+                self.previous[sig] = signal.signal(sig, self._on_signal)
             except ValueError:  # not the main thread (e.g. a notebook worker): no handler, no preemption save
                 pass
         if self.launcher is not None and signal.SIGTERM in self.previous:
@@ -56,7 +56,7 @@ class StopSignal:
         self.signum = self.signum or signal.SIGTERM
         return True
 
-    def _handle(self, signum, frame):
+    def _on_signal(self, signum, frame):
         if signum == getattr(signal, "SIGHUP", None):
             _detach_from_closed_terminal()
         if not self.armed:

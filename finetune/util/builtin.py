@@ -33,7 +33,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("FINETUNE_CACHE", Path.home() / ".cache" / "finetune"))
 
 
-def _atomic_build(target: Path, build) -> Path:
+def atomic_build(target: Path, build) -> Path:
     if (target / ".complete").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +84,7 @@ def dataset_dir() -> Path:
                 for r in part:
                     f.write(json.dumps(r) + "\n")
 
-    return _atomic_build(cache_root() / f"tiny-instruct-{VERSION}", build)
+    return atomic_build(cache_root() / f"tiny-instruct-{VERSION}", build)
 
 
 # builtin:tiny-preference: the rejected answer is a plausible mistake, the answer of a neighbouring task on the
@@ -118,7 +118,7 @@ def preference_dir() -> Path:
                 for r in rows:
                     f.write(json.dumps(preference_row(r)) + "\n")
 
-    return _atomic_build(cache_root() / f"tiny-preference-{VERSION}-{PREFERENCE_VERSION}", build)
+    return atomic_build(cache_root() / f"tiny-preference-{VERSION}-{PREFERENCE_VERSION}", build)
 
 
 ASSETS = Path(__file__).parent / "assets"

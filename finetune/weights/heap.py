@@ -44,3 +44,15 @@ def loading_objects_only():
         _frozen_depth -= 1
         if _frozen_depth == 0:
             gc.unfreeze()
+
+
+def release_cached_memory() -> None:
+    """Hand memory the load no longer uses back to the device: on a GPU torch's caching allocator keeps the
+    blocks of the load's transients reserved for the rest of the run (measured on an H200: the load phase of
+    a 70B-width run, whose synthetic weights were drawn on the GPU in it, left 7.96 GiB reserved for steps
+    that allocate 5.61), so empty its cache; on CPU return freed heap pages to the system (the same role)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    trim_heap()

@@ -26,7 +26,7 @@ def load_qlora_model(placement=None):
     leaves the base to `fill_shards`, after wrapping, which gives each rank its shard: (model, load plan)."""
     from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import load_with_plan
+    from finetune.weights.load.model import load_with_plan
 
     model, plan = load_with_plan(ModelSpec(gradient_checkpointing=False), QuantizationSpec(), placement, quiet=True)
     return apply_lora(model, LoraSpec(r=16, alpha=32, dropout=0.0), seed=0), plan
@@ -37,7 +37,7 @@ def batches(steps: int):
     real text, and every row has the same number of trained tokens, so the mean of the ranks' mean
     losses is the 1-process mean loss."""
     from finetune.recipe import ModelSpec
-    from finetune.weights.resolve import load_tokenizer
+    from finetune.weights.load.resolve import load_tokenizer
     from finetune.util import builtin as tiny
 
     tok = load_tokenizer(ModelSpec())
@@ -144,8 +144,9 @@ def main(argv: list[str]) -> int:
                       weight_decay=0.01, warmup_steps=0, max_steps=args.steps, max_grad_norm=args.clip or None)
     acc = D.make_accelerator(DistributedSpec(strategy=args.strategy), FsdpSpec(version=args.version), train,
                              "float32")
-    from finetune.weights.placement import placement_for
-    from finetune.weights.model import fill_shards
+    from finetune.weights.load.placement import placement_for
+    from finetune.train.precision import autocast
+    from finetune.weights.shard.fsdp import fill_shards
 
     whole = load_qlora_model()[0]  # the whole model, as one process holds it
     full_bytes, full_tables = param_bytes(whole), table_bytes(whole)
@@ -166,7 +167,7 @@ def main(argv: list[str]) -> int:
     model.train()
     for batch in batches(args.steps):
         ids = batch[r * mb:(r + 1) * mb]
-        with D.autocast(acc):
+        with autocast(train, acc.device.type):
             loss = model(input_ids=ids, labels=ids).loss
         acc.backward(loss)
         if train.max_grad_norm:
@@ -195,7 +196,7 @@ def main(argv: list[str]) -> int:
     adapter = gather_full_adapter_state(acc, model)
     model.eval()
     eval_ids = batches(args.steps + 1)[-1][:2]
-    with torch.no_grad(), D.autocast(acc):
+    with torch.no_grad(), autocast(train, acc.device.type):
         logits = model(input_ids=eval_ids).logits.float()
     if is_main():
         from safetensors.torch import save_file

@@ -19,7 +19,7 @@ def hub_layout(family: str, out: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
     from finetune.plan.archs import per_expert_keys, renamed_key
-    from finetune.weights.synthetic import synthetic_dir
+    from finetune.weights.built.synthetic import synthetic_dir
 
     if (out / "config.json").exists():
         return out

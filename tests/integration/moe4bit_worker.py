@@ -24,7 +24,7 @@ from tests.integration.families import ROOT  # noqa: E402
 def shards(model, whole) -> dict:
     """name -> (local shard equals this rank's torch.chunk of the one-process load's packed bytes, local
     elements, whole elements)."""
-    from finetune.weights.experts4bit import PackedExperts
+    from finetune.weights.experts.module import PackedExperts
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     ref = {n: m for n, m in whole.named_modules() if isinstance(m, PackedExperts)}
@@ -46,7 +46,7 @@ def shards(model, whole) -> dict:
 def main() -> None:
     from finetune.recipe import ModelSpec, QuantizationSpec, load
     from finetune.train.loop import train
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     out, version = Path(sys.argv[1]), sys.argv[2]
     for arg in sys.argv[3:]:

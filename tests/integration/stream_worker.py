@@ -80,7 +80,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--quant-chunk", type=int, default=0, help="the loader's QUANT_CHUNK (0: its own)")
     args = ap.parse_args(argv)
     if args.quant_chunk:  # small pieces: a rank's part begins and ends inside a piece
-        from finetune.weights import quantize
+        from finetune.weights.load import quantize
 
         quantize.QUANT_CHUNK = args.quant_chunk
     if args.no_quantize:  # a pre-quantized checkpoint must load without bitsandbytes quantizing anything
@@ -89,15 +89,16 @@ def main(argv: list[str]) -> int:
         def refuse(*a, **k):
             raise AssertionError("quantize_4bit was called")
         F.quantize_4bit = refuse
-        from finetune.weights import packed, quantize
+        from finetune.weights.load import packed, quantize
 
         quantize.quantize = quantize.quantize_piece = packed.quantize_piece = refuse  # the loader's own (piecewise)
 
     from finetune.recipe import DistributedSpec, FsdpSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
     from finetune.train import parallel as D
-    from finetune.weights.placement import placement_for
+    from finetune.weights.load.placement import placement_for
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import fill_shards, load_with_plan
+    from finetune.weights.load.model import load_with_plan
+    from finetune.weights.shard.fsdp import fill_shards
     from finetune.train.optim import build_optimizer
 
     train = TrainSpec(optimizer="adamw_torch", mixed_precision="no")

@@ -64,7 +64,7 @@ def test_each_method_reaches_plain_lora_eval_loss(trained, name):
 def test_adapter_reloads_in_plain_peft_with_the_trained_logits(trained, name):
     from peft import PeftModel
 
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     run_dir, result = trained[name]
     cfg = json.loads((run_dir / "adapter" / "adapter_config.json").read_text())

@@ -15,11 +15,11 @@ def test_every_arm_is_scored_by_finetunes_eval(tmp_path):
     import torch
 
     from finetune.data.prepare import prepare
-    from finetune.weights.device import resolve_cpu_precision
+    from finetune.train.precision import resolve_cpu_precision
     from finetune.train.inference import heldout_loss
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import load_model
-    from finetune.weights.resolve import load_tokenizer
+    from finetune.weights.load.model import load_model
+    from finetune.weights.load.resolve import load_tokenizer
 
     # the scorer's path, not its length: 32 held-out rows, 4 of them generated
     few = ("eval.exact_match_samples=4", "eval.max_new_tokens=8",

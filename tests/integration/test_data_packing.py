@@ -97,7 +97,7 @@ def test_loop_loss_sum_matches_packed_vs_unpacked_on_the_4bit_model(tiny_model_d
     from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
     from finetune.train.lora import apply_lora
     from finetune.train.loss import token_loss_sum
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False), QuantizationSpec(),
                        quiet=True)

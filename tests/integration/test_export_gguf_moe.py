@@ -106,7 +106,7 @@ def test_fused_experts_of_a_transformers_5_checkpoint_read_back(outtype, tmp_pat
     """A merged model whose experts are fused 3-D (what transformers 5 saves: experts.gate_up_proj [E, 2i, h],
     experts.down_proj [E, h, i]; the synthetic Qwen3-MoE as built): the converter splits gate_up_proj at half
     its rows, and the read-back compares both halves and down_proj within the type's tolerance."""
-    from finetune.weights.synthetic import synthetic_dir
+    from finetune.weights.built.synthetic import synthetic_dir
 
     from .moe4bit import BASES, SMALL
 

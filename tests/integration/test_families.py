@@ -37,9 +37,7 @@ def _plain_peft(run_dir, adapter_dir=None):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from finetune.weights.model import (
-        resolve_name,  # the portable name (synthetic:...) -> its directory here
-    )
+    from finetune.weights.load.resolve import resolve_name  # the portable name (synthetic:...) -> its directory here
 
     base_dir = resolve_name(json.loads((run_dir / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"])
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
@@ -136,8 +134,8 @@ def test_gemma3_text_decoder_loads_from_an_image_text_checkpoint(tmp_path):
     from safetensors.torch import save_file
 
     from finetune.recipe import ModelSpec, QuantizationSpec
-    from finetune.weights.model import load_model
-    from finetune.weights.synthetic import synthetic_dir
+    from finetune.weights.load.model import load_model
+    from finetune.weights.built.synthetic import synthetic_dir
 
     text_dir = synthetic_dir(model_name("gemma3"))
     text_cfg = json.loads((text_dir / "config.json").read_text())

@@ -152,7 +152,7 @@ def test_gathered_adapter_reproduces_fsdp_logits(runs, version):
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from finetune.weights.model import disable_cpu_weight_repacking
+    from finetune.weights.bnb import disable_cpu_weight_repacking
 
     out = runs(f"fsdp{version}")["out"]
     adapter = load_file(str(out / "adapter_model.safetensors"))

@@ -135,7 +135,7 @@ def test_fsdp_adapter_loads_in_plain_peft(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from finetune.weights.resolve import resolve_name
+    from finetune.weights.load.resolve import resolve_name
 
     run = tmp_path / "fsdp"
     launch(run, 2, ["train.max_steps=4", "train.save_every=4"])

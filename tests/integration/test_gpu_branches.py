@@ -13,8 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec, TrainSpec, load
-from finetune.weights.device import bf16_native, cuda_unusable_reason, model_device, restore_cuda_rng
-from finetune.train.parallel import autocast
+from finetune.data.transfer import model_device
+from finetune.train.keepers.checkpoint import restore_cuda_rng
+from finetune.train.machine import bf16_native, cuda_unusable_reason
+from finetune.train.precision import autocast
 from finetune.train.scaling import LossScaler
 
 from ..conftest import ROOT
@@ -29,7 +31,7 @@ FP16 = TrainSpec(mixed_precision="fp16")
 
 def fp16_model():
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     model = load_model(ModelSpec(gradient_checkpointing=False), QuantizationSpec(compute_dtype="float16"), quiet=True)
     return apply_lora(model, LoraSpec(r=8, alpha=16, dropout=0.0), seed=0)
@@ -137,7 +139,7 @@ class ModelElsewhere(torch.nn.Module):
 
 @pytest.fixture(scope="module")
 def tok():
-    from finetune.weights.resolve import load_tokenizer
+    from finetune.weights.load.resolve import load_tokenizer
 
     return load_tokenizer(ModelSpec())
 
@@ -188,7 +190,7 @@ def test_inputs_are_moved_to_the_models_device(call, tok):
 def test_gpu_present_but_unusable_is_refused_with_the_reason(monkeypatch):
     from finetune.recipe import DistributedSpec, FsdpSpec
     from finetune.train import parallel as distributed
-    from finetune.weights import device
+    from finetune.train import machine as device
     from finetune.util.errors import RecipeError
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -205,7 +207,7 @@ def test_gpu_present_but_unusable_is_refused_with_the_reason(monkeypatch):
 
 
 def test_broken_flash_attn_falls_back_to_sdpa_with_the_reason(tmp_path, monkeypatch, capsys):
-    from finetune.weights.resolve import resolve_attention
+    from finetune.weights.load.resolve import resolve_attention
     from finetune.util.log import log
 
     pkg = tmp_path / "flash_attn"
@@ -281,7 +283,7 @@ def test_gloo_backend_on_gpus_is_refused_with_the_fix(monkeypatch):
 
 def test_validate_names_an_unusable_gpu_before_any_weights_load(monkeypatch):
     from finetune.train import preflight
-    from finetune.weights import device
+    from finetune.train import machine as device
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(preflight, "gpu_nodes_present", lambda: True)

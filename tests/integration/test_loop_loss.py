@@ -15,7 +15,7 @@ def setup(tiny_model_dir):
     from transformers import AutoTokenizer
 
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [{"prompt": f"reverse: {' '.join(['red', 'cat', 'sun', 'dog', 'fox'][: 1 + i % 5])}\n",
@@ -153,7 +153,7 @@ def test_lean_norms_and_mlps_give_the_stock_loss_and_gradients(tiny_model_dir):
     from benchmarks.memcheck import SavedTensorMeter
     from finetune.train import lean
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False),
                        QuantizationSpec(compute_dtype="float32"), quiet=True)
@@ -188,7 +188,7 @@ def test_the_loss_changes_no_module_setup_puts_the_lean_modules_in(tiny_model_di
     where _train shows it (loss.setup_forward)."""
     from finetune.train.loss import setup_forward, token_loss_sum
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False),
                        QuantizationSpec(compute_dtype="float32"), quiet=True)

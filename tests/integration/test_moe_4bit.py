@@ -30,7 +30,7 @@ def family_dir(request, tmp_path_factory):
 def _load(path, targets="auto"):
     from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     model = load_model(ModelSpec(name=str(path), dtype="float32"), QuantizationSpec(), quiet=True)
     if targets is None:
@@ -39,13 +39,13 @@ def _load(path, targets="auto"):
 
 
 def _packed(model):
-    from finetune.weights.experts4bit import PackedExperts
+    from finetune.weights.experts.module import PackedExperts
 
     return [m for m in model.modules() if isinstance(m, PackedExperts)]
 
 
 def test_every_expert_is_4bit_and_adapted_with_gradient(family_dir):
-    from finetune.weights.expert_lora import PackedExpertsLora
+    from finetune.weights.experts.expert_lora import PackedExpertsLora
 
     family, path = family_dir
     model = _load(path)
@@ -95,7 +95,7 @@ def _dense_reference(model, family):
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    from finetune.weights.experts4bit import PackedExperts
+    from finetune.weights.experts.module import PackedExperts
 
     cls = {"qwen3moe": Qwen3MoeExperts, "mixtral": MixtralExperts}[family]
     ref = copy.deepcopy(model)
@@ -148,7 +148,7 @@ def test_the_experts_wait_on_the_device_once_per_layer_not_once_per_expert(famil
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from finetune.weights.experts4bit import PackedExperts
+    from finetune.weights.experts.module import PackedExperts
 
     _, path = family_dir
     model = _load(path, targets="auto")
@@ -261,7 +261,7 @@ def test_a_finished_run_loads_for_eval_with_its_expert_adapters(trained):
     """`finetune eval` / `generate` (train/inference.load_run): the 4-bit base, the saved adapter in peft,
     and every expert adapter running through PackedExpertsLora."""
     from finetune.train.inference import load_run
-    from finetune.weights.expert_lora import PackedExpertsLora
+    from finetune.weights.experts.expert_lora import PackedExpertsLora
 
     _, _, run_dir = trained
     _, _, model = load_run(run_dir)

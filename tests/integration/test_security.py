@@ -13,7 +13,7 @@ import torch
 
 from finetune import recipe as R
 from finetune.train import preflight as V
-from finetune.weights.model import load_model
+from finetune.weights.load.model import load_model
 
 pytestmark = pytest.mark.slow
 

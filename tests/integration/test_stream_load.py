@@ -36,7 +36,7 @@ def _run(out: Path, model: str, nproc: int, *args: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from finetune.weights.resolve import resolve_name
+    from finetune.weights.load.resolve import resolve_name
 
     return resolve_name(SYNTH)
 
@@ -45,7 +45,7 @@ def model_dir(tmp_path_factory):
 def reference(model_dir):
     """One plain process: the whole packed weights and quantization state of every Linear4bit."""
     from finetune.recipe import ModelSpec, QuantizationSpec
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     model = load_model(ModelSpec(name=model_dir, gradient_checkpointing=False), QuantizationSpec(), quiet=True)
     return stream_worker.fsdp2_holdings(model), model
@@ -147,8 +147,8 @@ def test_prequantized_checkpoint_loads_without_quantizing(tmp_path, model_dir, r
     import bitsandbytes.functional as F
 
     from finetune.recipe import ModelSpec, QuantizationSpec
-    from finetune.weights import quantize, reader
-    from finetune.weights.model import load_model
+    from finetune.weights.load import quantize, reader
+    from finetune.weights.load.model import load_model
 
     ref, model = reference
     from finetune import cli

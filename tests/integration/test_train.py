@@ -52,7 +52,7 @@ PINNED_FIRST_LOSS = 1.958085
 
 def test_trainable_params_change_and_frozen_do_not(tmp_path):
     from finetune.train.lora import apply_lora
-    from finetune.weights.model import load_model
+    from finetune.weights.load.model import load_model
 
     r = tiny(tmp_path)
     fresh = apply_lora(load_model(r.model, r.quantization), r.lora, seed=r.train.seed)
@@ -104,7 +104,8 @@ def test_micro_batch_times_accumulation_is_invariant(tmp_path, settings, rel):
 def test_quantized_layers_are_really_4bit(tmp_path):
     import bitsandbytes as bnb
 
-    from finetune.weights.model import load_model, quantized_bytes_per_param
+    from finetune.weights.bnb import quantized_bytes_per_param
+    from finetune.weights.load.model import load_model
 
     r = tiny(tmp_path)
     m = load_model(r.model, r.quantization)
@@ -118,7 +119,7 @@ def test_adapter_loads_in_plain_peft_and_changes_logits(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from finetune.weights.resolve import resolve_name
+    from finetune.weights.load.resolve import resolve_name
 
     train(tiny(tmp_path, train={"max_steps": 8}), tmp_path / "run")
     cfg = json.loads((tmp_path / "run" / "adapter" / "adapter_config.json").read_text())

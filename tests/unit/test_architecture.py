@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "finetune"
 # Highest first: a module may import its own package and the layers after it. Packages that share a layer
 # (merge and train) are peers and import nothing from each other: the merge needs no training code.
-LAYERS = ["cli", "commands", "gguf", ("merge", "train"), "weights", "data", "plan", "recipe", "util"]
+LAYERS = ["cli", "commands", "gguf", ("merge", "train"), "artefacts", "weights", "data", "plan", "recipe", "util"]
 TORCH_FREE = ("plan", "recipe")
 HEAVY = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "trl", "safetensors")
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
@@ -137,6 +137,64 @@ def test_merge_imports_nothing_from_train(graph):
                   for b in deps if package(b) == "train") == []
 
 
+# The loader: what puts a base in memory and shards it. A training step needs none of it (the hot path stays
+# readable and cheap to import; an edit to the loader cannot slow or break a step).
+LOADER = ("finetune.weights.load", "finetune.weights.shard", "finetune.weights.built")
+
+
+def closure(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += graph.get(m, ())
+    return seen
+
+
+def test_the_step_imports_no_loader(graph):
+    step = closure(graph, "finetune.train.step")
+    assert {"finetune.train.loss", "finetune.train.precision", "finetune.data.transfer"} <= step  # the walk works
+    assert sorted(m for m in step if m.startswith(LOADER)) == []
+
+def private_names_defined(tree) -> set[str]:
+    """Underscore names a module defines: functions, classes, and attributes it assigns (`self._x = ...`)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            out.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+    return {n for n in out if n.startswith("_") and not n.startswith("__")}
+
+
+def cross_module_private_uses(package: Path) -> list[str]:
+    """`from finetune.x import _name`, and `obj._name` where `_name` is one of finetune's own private names
+    defined only in other modules (a private function or attribute reached from outside its module)."""
+    trees = {p: ast.parse(p.read_text()) for p in sorted(package.rglob("*.py"))}
+    defined = {p: private_names_defined(t) for p, t in trees.items()}
+    ours = set().union(*defined.values())
+    found = []
+    for path, tree in trees.items():
+        rel = path.relative_to(package.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("finetune")):
+                found += [f"{rel}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.startswith("_") and not a.name.startswith("__")]
+            elif (isinstance(node, ast.Attribute) and node.attr in ours and node.attr not in defined[path]
+                  and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{rel}:{node.lineno} uses .{node.attr}")
+    return found
+
+
+def test_no_private_name_is_used_across_modules():
+    assert cross_module_private_uses(PACKAGE) == []
+
+
 def test_one_name_per_thing():
     """No two modules share a file name (three load.py once meant three things), except a verb in
     commands/ named as the layer module that does its work (commands/estimate.py -> plan/estimate.py)."""
@@ -189,6 +247,12 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     modules = module_files(pkg)
     g = {name: imports_of(name, path, modules) for name, path in modules.items()}
     assert "finetune.merge.m -> finetune.train.t" in upward(g)
+    # Private names: imported from another module, or reached on an object from outside the defining module.
+    (pkg / "util" / "c.py").write_text("class C:\n    def _hidden(self):\n        self._state = 1\n\n\ndef _helper():\n    pass\n")
+    (pkg / "plan" / "d.py").write_text("from finetune.util.c import _helper\n\n\ndef g(c):\n    return c._hidden()\n")
+    (pkg / "plan" / "e.py").write_text("def h(lib):\n    return lib._not_ours\n")  # a library's: the private-API table's job
+    assert cross_module_private_uses(pkg) == ["finetune/plan/d.py:1 imports _helper", "finetune/plan/d.py:5 uses ._hidden"]
+    assert closure(g, "finetune.merge.m") == {"finetune.merge.m", "finetune.train.t"}
 
 
 def test_help_and_planning_answer_without_heavy_imports():

@@ -1,7 +1,7 @@
 """On a CPU without native bf16 the default precision becomes fp32 compute (weights.device.resolve_cpu_precision):
 what a recipe sets itself is kept, a bf16 base is left alone, GPUs and bf16-capable CPUs see no change."""
 from finetune import recipe as R
-from finetune.weights.device import resolve_cpu_precision
+from finetune.train.precision import resolve_cpu_precision
 
 
 def test_defaults_become_fp32_compute_on_a_cpu_without_bf16():

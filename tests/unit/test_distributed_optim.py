@@ -98,10 +98,12 @@ def test_wrong_layer_class_is_a_recipe_error_with_suggestion():
 
 
 def test_autocast_from_spec_and_no():
+    from finetune.train.precision import autocast
+
     a, b = torch.randn(4, 4), torch.randn(4, 4)
-    with D.autocast(TrainSpec(mixed_precision="bf16"), "cpu"):
+    with autocast(TrainSpec(mixed_precision="bf16"), "cpu"):
         assert (a @ b).dtype == torch.bfloat16
-    with D.autocast(TrainSpec(mixed_precision="no"), "cpu"):
+    with autocast(TrainSpec(mixed_precision="no"), "cpu"):
         assert (a @ b).dtype == torch.float32
 
 
@@ -211,7 +213,9 @@ def test_make_accelerator_one_process(fresh_accelerate_state, capsys, monkeypatc
     acc = D.make_accelerator(DistributedSpec(), FsdpSpec(), train, "float32")
     # No parameter casting by Accelerate, no loss rescaling in backward: the loop owns both.
     assert acc.mixed_precision == "no" and acc.gradient_accumulation_steps == 1
-    with D.autocast(acc):
+    from finetune.train.precision import autocast
+
+    with autocast(train, acc.device.type):  # the loop's forward: the recipe's precision on the accelerator's device
         assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.bfloat16
     with pytest.raises(RecipeError, match="launcher started 1"):
         D.make_accelerator(DistributedSpec(strategy="ddp", num_processes=2), FsdpSpec(), train, "float32")

@@ -96,7 +96,7 @@ def test_loader_stacks_a_per_expert_checkpoint(tmp_path):
     """A hub-layout Mixtral layer (w1/w3/w2 per expert) reads as transformers 5's fused parameters."""
     from safetensors.torch import save_file
 
-    from finetune.weights.reader import Checkpoint
+    from finetune.weights.load.reader import Checkpoint
 
     g = torch.Generator().manual_seed(0)
     w = {f"model.layers.0.block_sparse_moe.experts.{e}.{p}.weight": torch.randn(shape, generator=g)

@@ -7,7 +7,8 @@ from finetune.recipe import ModelSpec, QuantizationSpec
 
 
 def test_whole_load_collects_only_what_loading_made(monkeypatch):
-    from finetune.weights import heap, model, skeleton
+    from finetune.weights import heap
+    from finetune.weights.load import model, skeleton
 
     depth_at_skeleton, scanned = [], []
     build, release = skeleton.skeleton, skeleton.release_freed_memory

@@ -6,7 +6,7 @@ from finetune.recipe import ModelSpec, QuantizationSpec
 
 
 def test_whole_model_loads_on_the_gpu_when_there_is_one(monkeypatch):
-    from finetune.weights import model, placement, skeleton
+    from finetune.weights.load import model, placement, skeleton
 
     got = []
 
@@ -36,7 +36,7 @@ def test_a_launched_cpu_rank_places_without_copying():
 
     from accelerate.utils import DistributedType
 
-    from finetune.weights.placement import placement_for
+    from finetune.weights.load.placement import placement_for
 
     # what Accelerate's state.set_device gives a launched CPU rank: torch.device("cpu", local index % 1)
     acc = SimpleNamespace(device=torch.device("cpu", 0), distributed_type=DistributedType.MULTI_CPU,

@@ -11,7 +11,8 @@ from transformers import AutoTokenizer
 
 from finetune import cli
 from finetune.gguf.readback import unpermute
-from finetune.weights.portable import adds_bos_eos, base_reference, save_tokenizer
+from finetune.artefacts.adapter import base_reference
+from finetune.artefacts.tokenizer import adds_bos_eos, save_tokenizer
 from finetune.util.builtin import builtin_dir
 
 ROOT = Path(__file__).resolve().parents[2]

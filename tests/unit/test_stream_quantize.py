@@ -3,8 +3,8 @@ bytes and every part of the quantization state must equal one bitsandbytes quant
 import pytest
 import torch
 
-from finetune.weights import quantize as Q
-from finetune.weights import reader
+from finetune.weights.load import quantize as Q
+from finetune.weights.load import reader
 
 
 class _Entry:  # the load plan's entry for a 4-bit weight (weights/loadplan.py), without a module

@@ -21,7 +21,7 @@ def test_the_draw_device_is_parsed_and_part_of_the_cache_key():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA host draws the weights instead")
 def test_drawing_on_cuda_without_a_gpu_is_refused_with_the_fix():
-    from finetune.weights.synthetic import synthetic_dir
+    from finetune.weights.built.synthetic import synthetic_dir
 
     with pytest.raises(RecipeError, match="Fix: drop device=cuda"):
         synthetic_dir(NAME)

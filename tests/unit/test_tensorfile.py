@@ -2,7 +2,7 @@
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune.weights import tensorfile
+from finetune.weights.load import tensorfile
 
 
 def _tensors():

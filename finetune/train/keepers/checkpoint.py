@@ -239,7 +239,6 @@ def load_training_state(path: Path, rank: int, optimizer, scheduler):
     rng = torch.load(path / f"rng-rank{rank}.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     if "cuda" in rng:
-        from finetune.weights.device import restore_cuda_rng
 
         restore_cuda_rng(rng["cuda"])  # only the devices visible now (fewer GPUs than at save time is fine)
 
@@ -278,3 +277,14 @@ def resolve_resume(resume, ckpt_root: Path) -> Path | None:
     if why:
         raise RecipeError([f"train.resume: {resume} is not a complete checkpoint directory ({why})"])
     return p
+
+
+def restore_cuda_rng(states: list) -> int:
+    """Restore the CUDA generators of the devices that exist here; returns how many were restored. A
+    checkpoint written with more visible GPUs than this process has would fail `set_rng_state_all`."""
+    if not torch.cuda.is_available():
+        return 0
+    n = min(len(states), torch.cuda.device_count())
+    for i in range(n):
+        torch.cuda.set_rng_state(states[i], i)
+    return n

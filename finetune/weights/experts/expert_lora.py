@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from peft.tuners.lora.layer import ParamWrapper
 
-from finetune.weights.experts4bit import PackedExperts
+from finetune.weights.experts.module import PackedExperts
 
 
 class PackedExpertsLora(ParamWrapper):

@@ -32,7 +32,7 @@ def synthetic_dir(name: str, what: str = "model.name") -> Path:
     if device == "cuda" and not torch.cuda.is_available():
         raise RecipeError([f"{what}: '{name}' draws its weights on a CUDA GPU (device=cuda) and this machine has "
                            "none. Fix: drop device=cuda"])
-    return builtin._atomic_build(synthetic_names.cache_dir(name), lambda out: build(out, cfg, seed, device))
+    return builtin.atomic_build(synthetic_names.cache_dir(name), lambda out: build(out, cfg, seed, device))
 
 
 def _tensor_names(cfg: dict) -> tuple[list[tuple[str, tuple, bool]], object, str]:

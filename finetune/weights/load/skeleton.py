@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 
 from finetune.util.errors import RecipeError
-from finetune.weights.experts4bit import PackedExperts, expert_parameter, pack_experts
+from finetune.weights.experts.module import PackedExperts, expert_parameter, pack_experts
 from finetune.weights.heap import loading_objects_only, release_freed_memory
-from finetune.weights.loadplan import Entry, LoadPlan
-from finetune.weights.placement import Placement
-from finetune.weights.reader import Checkpoint, Stream, check_stored_config, materialize
+from finetune.weights.load.loadplan import Entry, LoadPlan
+from finetune.weights.load.placement import Placement
+from finetune.weights.load.reader import Checkpoint, Stream, check_stored_config, materialize
 
 
 def skeleton(path: Path, config, dtype: torch.dtype, bnb, prequantized: bool, attn: str, trust: bool):
@@ -115,9 +115,9 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
         # Buffers (RoPE's inv_freq) were made real on the CPU with the skeleton; a whole model is used where it
         # is loaded (eval, generate), and FSDP and Accelerate move the others with the parameters.
         for module in model.modules():
-            for name, buf in module._buffers.items():
-                if buf is not None and buf.device != placement.device:
-                    module._buffers[name] = buf.to(placement.device)
+            for name, buf in list(module.named_buffers(recurse=False)):
+                if buf.device != placement.device:
+                    setattr(module, name, buf.to(placement.device))  # nn.Module keeps it a buffer
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     if quantizer is not None:
@@ -127,16 +127,6 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
         plan.release()
         return model, None
     return model, plan
-
-
-def before_wrap(model, plan: LoadPlan) -> None:
-    """FSDP: placeholders -> meta tensors of the parameter's full shape, which FSDP shards without memory.
-    A tied head is tied again to the new embedding tensor, so FSDP sees (and shards) one parameter."""
-    for e in plan.entries:
-        p = getattr(e.module, e.name)
-        if not p.is_meta and (p.numel() == 0 or not any(p.stride())):
-            setattr(e.module, e.name, placeholder(e, e.full_shape(), "meta"))
-    retie(model)
 
 
 def retie(model) -> None:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from finetune.weights.experts4bit import expert_parameter, stack_states
-from finetune.weights.packed import deliver
-from finetune.weights.placement import comm_device
-from finetune.weights.quantize import quantize
+from finetune.weights.experts.module import expert_parameter, stack_states
+from finetune.weights.load.packed import deliver
+from finetune.weights.load.placement import comm_device
+from finetune.weights.load.quantize import quantize
 
 
 def _quantized_expert(stream, entry, e: int) -> tuple[torch.Tensor, object]:
@@ -33,7 +33,7 @@ def whole_experts(stream, entry) -> torch.nn.Parameter:
         packs, states = zip(*(_quantized_expert(stream, entry, e) for e in range(entry.experts)))
         return torch.cat(packs).reshape(-1, 1), _cpu(stack_states(list(states)))
 
-    packed, stats = stream._share(make)
+    packed, stats = stream.share(make)
     entry.module.set_stats(entry.name, stats)
     return expert_parameter(packed, entry.shape)
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import torch
 
 from finetune.weights.heap import loading_objects_only, release_freed_memory
-from finetune.weights.packed import quantized_range
-from finetune.weights.packed_experts import expert_range
-from finetune.weights.reader import materialize
+from finetune.weights.load.packed import quantized_range
+from finetune.weights.experts.expert_bytes import expert_range
+from finetune.weights.load.reader import materialize
+from finetune.weights.shard.meta import assign, holders_by_id, leave_tables_whole, to_meta
 
 
 def swap_storage(t: torch.Tensor, data: torch.Tensor) -> None:
@@ -50,6 +51,15 @@ def param_init(plan, device: torch.device):
         return module
 
     return init
+
+
+def before_wrap(model, plan, plugin, device: torch.device) -> None:
+    """Before FSDP1 wraps: the placeholders become meta tensors of their full shape, FSDP1's `param_init_fn`
+    gives each unit's meta parameters memory just before it flattens them (param_init), and the frozen
+    tables are left whole unless FSDP offloads (meta.leave_tables_whole)."""
+    to_meta(model, plan)
+    plugin.param_init_fn = param_init(plan, device)
+    leave_tables_whole(model, plugin, plan)
 
 
 @loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
@@ -82,11 +92,9 @@ def fill_shards(model, plan) -> None:
 
 
 def _fill_replicated(model, plan) -> None:
-    """The parameters FSDP1 left out of every flat parameter (the frozen tables, parallel.replicated_modules):
+    """The parameters FSDP1 left out of every flat parameter (the frozen tables, meta.replicated_modules):
     each gets its whole value on every rank, in plan order (collective)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
-
-    from finetune.weights.fsdp2 import assign, holders_by_id
 
     flat = {id(p) for unit in FullyShardedDataParallel.fsdp_modules(model) if unit._handle is not None
             for p in [*unit._handle.flat_param._params, *(unit._handle.flat_param._shared_params or [])]}

@@ -12,8 +12,8 @@ from finetune.util.errors import OutputWriteError, RecipeError, reason
 
 def write_prequantized(spec: ModelSpec, quant: QuantizationSpec, out: Path) -> Path:
     """Quantize `spec`'s base per `quant` (one process, streamed) and write it with its tokenizer to `out`."""
-    from finetune.weights.model import load_model
-    from finetune.weights.resolve import load_tokenizer
+    from finetune.weights.load.model import load_model
+    from finetune.weights.load.resolve import load_tokenizer
 
     if quant.mode not in ("nf4", "fp4"):
         raise RecipeError([f"quantization.mode: {quant.mode}: only 4-bit (nf4, fp4) bases are written pre-quantized"])

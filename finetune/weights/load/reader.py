@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from finetune.weights import tensorfile
+from finetune.weights.load import tensorfile
 from finetune.util.errors import RecipeError
-from finetune.weights.placement import Placement, comm_device
-from finetune.weights.quantize import quantize_from
+from finetune.weights.load.placement import Placement, comm_device
+from finetune.weights.load.quantize import quantize_from
 
 _QS_PREFIX = "quant_state.bitsandbytes__"
 
@@ -91,7 +91,7 @@ class Stream:
     def __init__(self, ckpt: Checkpoint, placement: Placement, dtype: torch.dtype):
         self.ckpt, self.placement, self.dtype = ckpt, placement, dtype
 
-    def _share(self, make) -> tuple[torch.Tensor, object]:
+    def share(self, make) -> tuple[torch.Tensor, object]:
         """(tensor, info) made by the reader's `make()`, on every rank of its machine; the tensor travels as
         raw bytes so any dtype (packed bf16 storage included) crosses any backend unchanged."""
         pl = self.placement
@@ -119,7 +119,7 @@ class Stream:
 
     def plain(self, key: str, dtype: torch.dtype) -> torch.Tensor:
         dev = self.placement.device
-        return self._share(lambda: (self.ckpt.read(key).to(dev, dtype), None))[0]
+        return self.share(lambda: (self.ckpt.read(key).to(dev, dtype), None))[0]
 
     def quantized(self, entry) -> tuple[torch.Tensor, object]:
         """(packed 4-bit weight, QuantState) of the load plan's `entry` on every rank."""
@@ -137,7 +137,7 @@ class Stream:
                 stats = {k: v.cpu() if torch.is_tensor(v) else v for k, v in qs.as_dict(packed=True).items()}
             return packed, stats
 
-        packed, stats = self._share(make)
+        packed, stats = self.share(make)
         return packed, QuantState.from_dict(dict(stats), device=dev)
 
     def plain_chunk(self, key: str, dtype: torch.dtype, shape: tuple, index: int, parts: int) -> torch.Tensor:
@@ -196,7 +196,7 @@ def materialize(stream: Stream, entry):
     import bitsandbytes as bnb
 
     if entry.experts:
-        from finetune.weights.packed_experts import whole_experts
+        from finetune.weights.experts.expert_bytes import whole_experts
 
         return whole_experts(stream, entry)
     if entry.packed:

@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from finetune.weights.heap import loading_objects_only, release_freed_memory
-from finetune.weights.loadplan import Entry, LoadPlan
-from finetune.weights.packed import quantized_range
-from finetune.weights.packed_experts import expert_range
-from finetune.weights.reader import materialize
+from finetune.weights.load.loadplan import Entry, LoadPlan
+from finetune.weights.load.packed import quantized_range
+from finetune.weights.experts.expert_bytes import expert_range
+from finetune.weights.load.reader import materialize
+from finetune.weights.shard.meta import assign, holders_by_id, leave_tables_whole, to_meta
 
 
-def _local_chunk(plan: LoadPlan, e: Entry, rank: int, world: int) -> torch.Tensor:
+def local_chunk(plan: LoadPlan, e: Entry, rank: int, world: int) -> torch.Tensor:
     """This rank's dim-0 chunk of one parameter. A plain tensor (embedding, output head, norms) is sent
     chunk by chunk, each rank receiving only its rows; a 4-bit weight's packed bytes likewise, as the
     reader quantizes it piece by piece (packed.py; the quantization state goes whole to every rank). A
@@ -38,13 +39,11 @@ def _local_chunk(plan: LoadPlan, e: Entry, rank: int, world: int) -> torch.Tenso
     return chunks[rank].clone() if rank < len(chunks) else full.data.new_empty((0, *full.shape[1:]))
 
 
-def holders_by_id(model) -> dict[int, list[tuple[torch.nn.Module, str]]]:
-    """id(parameter) -> every (module, name) that holds it: a tied head shares the embedding's."""
-    out: dict[int, list] = {}
-    for module in model.modules():
-        for name, p in module.named_parameters(recurse=False, remove_duplicate=False):
-            out.setdefault(id(p), []).append((module, name))
-    return out
+def before_wrap(model, plan: LoadPlan, plugin) -> None:
+    """Before `fully_shard`: the placeholders become meta tensors of their full shape, and the frozen tables
+    are left whole unless FSDP offloads (meta.leave_tables_whole)."""
+    to_meta(model, plan)
+    leave_tables_whole(model, plugin, plan)
 
 
 @loading_objects_only()  # release_freed_memory's collection, once a weight, scans only what loading made
@@ -59,7 +58,7 @@ def fill_shards(model, plan: LoadPlan) -> None:
     for e in sorted(plan.entries, key=lambda e: e.packed):
         old = getattr(e.module, e.name)
         if not isinstance(old, DTensor):
-            if old.is_meta:  # replicated (left out of sharding, parallel.replicated_modules): whole everywhere
+            if old.is_meta:  # replicated (left out of sharding, meta.replicated_modules): whole everywhere
                 assign(holders[id(old)], materialize(plan.stream, e))
                 del old
                 release_freed_memory()
@@ -67,7 +66,7 @@ def fill_shards(model, plan: LoadPlan) -> None:
         if not old.to_local().is_meta:
             continue
         mesh = old.device_mesh
-        local = _local_chunk(plan, e, mesh.get_local_rank(), mesh.size())
+        local = local_chunk(plan, e, mesh.get_local_rank(), mesh.size())
         if plan.offload:
             local = local.cpu()
         new = torch.nn.Parameter(DTensor.from_local(local, mesh, old.placements, run_check=False, shape=old.shape,
@@ -76,10 +75,3 @@ def fill_shards(model, plan: LoadPlan) -> None:
         del old, local, new
         release_freed_memory()
     plan.release()
-
-
-
-
-def assign(holders: list, new: torch.nn.Parameter) -> None:
-    for module, name in holders:
-        module.load_state_dict({name: new}, strict=False, assign=True)

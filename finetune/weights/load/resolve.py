@@ -20,7 +20,7 @@ def resolve_name(name: str) -> str:
     if name.startswith("builtin:"):
         return str(builtin_dir(name, "model.name"))
     if name.startswith("synthetic:"):
-        from finetune.weights.synthetic import synthetic_dir
+        from finetune.weights.built.synthetic import synthetic_dir
 
         return str(synthetic_dir(name))
     if os.path.isdir(os.path.expanduser(name)):
@@ -58,7 +58,7 @@ def _flash_attn_import_error() -> str | None:
     return None
 
 
-def _check_weights_format(path: str, allow_pickle: bool):
+def check_weights_format(path: str, allow_pickle: bool):
     """Refuse pickle checkpoints (they can run code) unless the recipe allows them."""
     p = Path(path)
     if not p.is_dir():

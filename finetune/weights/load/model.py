@@ -11,26 +11,8 @@ import torch
 from finetune.recipe import ModelSpec, QuantizationSpec
 from finetune.util.dtypes import torch_dtype
 from finetune.util.errors import RecipeError
-from finetune.weights.resolve import _check_weights_format, local_checkpoint, resolve_attention, resolve_name, text_decoder
-
-
-def bnb_config(q: QuantizationSpec, model_dtype: str):
-    """QuantizationSpec -> transformers BitsAndBytesConfig (None for mode: none)."""
-    from transformers import BitsAndBytesConfig
-
-    if q.mode == "none":
-        return None
-    if q.mode == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return BitsAndBytesConfig(
-        load_in_4bit=True,
-        bnb_4bit_quant_type=q.mode,
-        bnb_4bit_use_double_quant=q.double_quant,
-        bnb_4bit_compute_dtype=torch_dtype(q.compute_dtype),
-        # The packed 4-bit bytes live in a tensor of this dtype. FSDP shards and gathers it like any other
-        # parameter, so it must be the dtype of every other parameter (model.dtype) and never be cast.
-        bnb_4bit_quant_storage=torch_dtype(q.quant_storage or model_dtype),
-    )
+from finetune.weights.bnb import bnb_config, disable_cpu_weight_repacking
+from finetune.weights.load.resolve import check_weights_format, local_checkpoint, resolve_attention, resolve_name, text_decoder
 
 
 def load_model(spec: ModelSpec, quant: QuantizationSpec, placement=None, quiet: bool = False):
@@ -53,12 +35,12 @@ def load_with_plan(spec: ModelSpec, quant: QuantizationSpec, placement=None, qui
     (LLM.int8 weights cannot be sharded by FSDP at all) and pickle-only checkpoints the recipe allows
     (the streaming reader reads safetensors only)."""
     from finetune.util.libc import map_large_buffers
-    from finetune.weights.placement import default_placement
+    from finetune.weights.load.placement import default_placement
 
     map_large_buffers()  # from here on, a freed weight or activation leaves the process (util.libc)
     placement = placement or default_placement()
     path = local_checkpoint(resolve_name(spec.name), spec)
-    _check_weights_format(path, spec.allow_pickle)
+    check_weights_format(path, spec.allow_pickle)
     attn = resolve_attention(spec.attn_implementation, quiet)
     if quant.mode == "int8" or not any(Path(path).glob("*.safetensors")):
         if placement.mode != "whole":
@@ -68,7 +50,7 @@ def load_with_plan(spec: ModelSpec, quant: QuantizationSpec, placement=None, qui
     else:
         from transformers import AutoConfig
 
-        from finetune.weights.skeleton import load_base
+        from finetune.weights.load.skeleton import load_base
 
         config = text_decoder(AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code), quiet)
         model, plan = load_base(Path(path), config, torch_dtype(spec.dtype), bnb_config(quant, spec.dtype),
@@ -98,56 +80,4 @@ def keep_buffers_fp32(model):
     for module in model.modules():
         for name, buf in list(module.named_buffers(recurse=False)):
             if buf is not None and buf.is_floating_point() and buf.dtype != torch.float32:
-                module._buffers[name] = buf.float()
-
-
-def quantized_bytes_per_param(model) -> float:
-    """Storage bytes per weight element of the quantized linear layers (about 0.5 for 4-bit)."""
-    import bitsandbytes as bnb
-
-    nbytes = n = 0
-    for m in model.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            w = m.weight
-            nbytes += w.numel() * w.element_size()
-            n += m.in_features * m.out_features
-    return nbytes / n if n else float("nan")
-
-
-def disable_cpu_weight_repacking(model) -> int:
-    """Stop bitsandbytes from repacking 4-bit weights in place during CPU inference; returns how many
-    layers were switched.
-
-    Linear4bit.forward on a CPU with AVX512-BF16, in eval mode without grad, replaces `weight.data` with
-    a uint8 CPU-kernel layout and marks the shared quant_state as repacked. Under FSDP the replaced
-    tensor is the gathered copy, which is freed after forward, while the flag stays: the next forward
-    reads the original layout as repacked (measured: logits off by 1.7, training loss after an eval
-    6.000 instead of 6.048, FSDP1 and FSDP2). In one process the weight stays repacked, its storage
-    dtype changes, and backward then runs through an op without autograd support. Training needs the
-    layout it was loaded with.
-    """
-    n = 0
-    for module in model.modules():
-        if hasattr(module, "support_avx512bf16_for_cpu"):
-            module.support_avx512bf16_for_cpu = False
-            n += 1
-    return n
-
-
-def fill_shards(model, plan) -> None:
-    """After the strategy wrapped the model: each rank's part of the base, streamed into FSDP's shards
-    (fsdp2.py, fsdp1.py) as the load plan says; the plan is released after. Nothing to do without a plan
-    (every weight was set at load time). Collective."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    from finetune.weights import fsdp1, fsdp2
-
-    if plan is None:
-        return
-    if isinstance(model, FullyShardedDataParallel):
-        fsdp1.fill_shards(model, plan)
-    elif isinstance(model, FSDPModule):
-        fsdp2.fill_shards(model, plan)
-    else:
-        raise RuntimeError(f"fill_shards: a {plan.stream.placement.mode} load plan, but the model is an unsharded "
-                           f"{type(model).__name__}")
+                setattr(module, name, buf.float())  # nn.Module keeps it a buffer, persistence unchanged

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from finetune.weights.placement import comm_device
-from finetune.weights.quantize import piece_bounds, quant_state, quantize_piece, read_pieces
+from finetune.weights.load.placement import comm_device
+from finetune.weights.load.quantize import piece_bounds, quant_state, quantize_piece, read_pieces
 
 
 def quantized_range(stream, entry, spans: dict) -> tuple[torch.Tensor, object]:  # stream: reader.Stream
