@@ -2,7 +2,7 @@
 
 Two failures are worth finding before hours of training: an output directory that cannot be written
 (a file in the way, a read-only mount, no permission) and a disk that cannot hold the checkpoints the
-recipe will keep. The planned size comes from the model's shapes (finetune.estimate): the full adapter,
+recipe will keep. The planned size comes from the model's shapes (finetune.plan.estimate): the full adapter,
 every rank's optimizer state, and at the peak `keep_checkpoints + 1` checkpoints at once (the new one is
 complete before the oldest is deleted), plus the exported adapter.
 

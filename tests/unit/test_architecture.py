@@ -196,7 +196,7 @@ def test_no_private_name_is_used_across_modules():
 
 
 def test_one_name_per_thing():
-    """No two modules share a file name (three load.py once meant three things), except a verb in
+    """No two modules share a file name (three modules named `load` once meant three things), except a verb in
     commands/ named as the layer module that does its work (commands/estimate.py -> plan/estimate.py)."""
     seen: dict[str, list[str]] = {}
     for path in PACKAGE.rglob("*.py"):
