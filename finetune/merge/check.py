@@ -4,7 +4,7 @@ Reference, by target:
 - original: plain peft (LoRA layers unmerged) on the unquantized base, in fp32;
 - nf4: the 4-bit model exactly as training loaded it (bitsandbytes, the recipe's quant type, double
   quant and model dtype; MoE experts, which transformers leaves dense, quantized and dequantized expert
-  by expert as weights/experts4bit.py holds them) + the adapter in plain peft. Its compute dtype is set to fp32 for the check, so
+  by expert as weights/experts/module.py holds them) + the adapter in plain peft. Its compute dtype is set to fp32 for the check, so
   the comparison measures the merge, not bf16 matmul noise.
 The merged model is loaded with plain `AutoModelForCausalLM` in fp32 (bf16/fp16 weights upcast exactly).
 

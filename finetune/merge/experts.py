@@ -101,7 +101,7 @@ def rank(a: torch.Tensor, experts: int) -> int:
 
 def as_trained(name: str, w: torch.Tensor, read, q, model_type: str, experts: int) -> torch.Tensor | None:
     """The expert weight `name` (`w`) as 4-bit training held it, for `--target nf4`: each expert quantized
-    alone, as weights/experts4bit.py quantizes it (gate and up rows together), then dequantized. A per-expert
+    alone, as weights/experts/module.py quantizes it (gate and up rows together), then dequantized. A per-expert
     tensor (Mixtral's w1) is quantized with its expert's other parts (`read(key)` reads one), and keeps its
     rows. None when `name` is no expert weight."""
     from finetune.merge.plan import quant_roundtrip

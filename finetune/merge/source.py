@@ -64,7 +64,7 @@ def find_base(cfg: dict, recipe) -> tuple[str, Path]:
     for name in names:
         if name in BUILTIN_MODELS:  # only known builtin models: any other name may be a local dir or cached
             return name, builtin_dir(name)
-        if name.startswith("synthetic:"):  # adapters name these bases portably (weights/portable.py)
+        if name.startswith("synthetic:"):  # adapters name these bases portably (artefacts/tokenizer.py and artefacts/adapter.py)
             from finetune.weights.built.synthetic import synthetic_dir
 
             return name, synthetic_dir(name)

@@ -175,7 +175,7 @@ def _write_extras(src: Source, tmp: Path, out_dtype: torch.dtype) -> None:
     if (src.base_dir / "generation_config.json").is_file():
         shutil.copyfile(src.base_dir / "generation_config.json", tmp / "generation_config.json")
     try:
-        save_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir(src)), tmp)  # portable form (weights/portable)
+        save_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir(src)), tmp)  # portable form (artefacts/)
     except (ValueError, OSError) as e:
         if isinstance(e, OSError) and e.errno is not None:
             raise  # a failed write into tmp

@@ -106,7 +106,7 @@ def experts_saved_bytes(arch: Arch, s, t: int) -> int:
     cb, mb = MP_BYTES[s.mixed_precision], DTYPE_BYTES[s.model_dtype]
     adapted = {x.name for x in targeted_experts(arch, s)}
     if s.quant in ("nf4", "fp4"):
-        # 4-bit experts (weights/experts4bit.py), per routed token: its (token, slot) index pair (int64), the
+        # 4-bit experts (weights/experts/module.py), per routed token: its (token, slot) index pair (int64), the
         # down projection's output and routing weight (the weighting multiply keeps both), and the weighted
         # output cast to the residual stream's dtype (index_add_ keeps its source). The frozen matmul keeps
         # nothing (it dequantizes again in backward); an adapted one keeps its routed input to A and B's

@@ -1,4 +1,4 @@
-"""The load phase of a run, as the streaming loader (weights/reader.py, weights/skeleton.py) runs it: memory per GPU,
+"""The load phase of a run, as the streaming loader (weights/load/reader.py, weights/load/skeleton.py) runs it: memory per GPU,
 per process and per machine while the base model arrives, from shapes alone.
 
 One reader per machine (its local rank 0) reads one checkpoint tensor at a time:
@@ -13,7 +13,7 @@ Each rank keeps its part:
 - one process or replicas: the whole model, built up one tensor at a time;
 - FSDP2: a dim-0 chunk of every parameter (1/world), plus the whole quantization state;
 - FSDP1: its slice of every flat parameter (1/world: FSDP1 flattens and shards the model unit by unit, each
-  unit given memory just before, then the slice is filled, weights/fsdp1.py), plus the whole quantization
+  unit given memory just before, then the slice is filled, weights/shard/fsdp1.py), plus the whole quantization
   state.
 
 So the peak is what a process finally holds plus the biggest transient: the largest tensor in flight, or
@@ -35,7 +35,7 @@ def tensors(arch: Arch) -> list[tuple[int, bool]]:
     return lin + emb
 
 
-PIECE = 2**18  # weights/quantize.QUANT_CHUNK: elements of a 4-bit weight read and quantized at once
+PIECE = 2**18  # weights/load/quantize.QUANT_CHUNK: elements of a 4-bit weight read and quantized at once
 
 
 def tables_whole(s, shard: int) -> bool:
@@ -74,7 +74,7 @@ def _sizes(arch: Arch, s, dtype_bytes: dict, shard: int, four_bit_kind: bool) ->
             # a replicated table: read whole and cast on the reader, received into the parameter kept
             flight, got = numel * (CKPT_BYTES + (mb if mb != CKPT_BYTES else 0)), 0
         elif four_bit and s.quant in ("nf4", "fp4") and per_rank:
-            # FSDP: each piece is sent on as it is quantized (weights/packed.py): the reader holds one row
+            # FSDP: each piece is sent on as it is quantized (weights/load/packed.py): the reader holds one row
             # block read and cast and its packed bytes; a rank receives only what it keeps
             piece = min(numel, PIECE)
             flight, got = piece * (CKPT_BYTES + mb) + piece // 2, 0
@@ -105,7 +105,7 @@ def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader:
     final = w["quant_constants"] + plain + on_device * (-(-(w["base_4bit"] + w.get("experts", 0)) // shard)
                                                         + -(-w["lora"] // shard))
     peak = final
-    # Plain tensors load first (weights/skeleton.py, fsdp1.py, fsdp2.py), so their transients come beside
+    # Plain tensors load first (weights/load/skeleton.py, fsdp1.py, fsdp2.py), so their transients come beside
     # the plain tensors alone; a 4-bit weight's beside everything.
     for four_bit, held in ((False, plain), (True, final)):
         flight, received = _sizes(arch, s, dtype_bytes, shard, four_bit)
@@ -115,7 +115,7 @@ def process_bytes(arch: Arch, s, w: dict, shard: int, dtype_bytes: dict, reader:
             transient = max(transient, flight + (received // shard if shard > 1 else 0))
         peak = max(peak, held + transient)
     if s.strategy == "fsdp" and s.fsdp_version == 1:
-        # FSDP1 flattens each unit from memory param_init gave it (weights/fsdp1.py): the unit's parameters
+        # FSDP1 flattens each unit from memory param_init gave it (weights/shard/fsdp1.py): the unit's parameters
         # and their concatenation, on the device, beside the shards of the units before it (the whole tables
         # come after the wrap); then this rank's slice of it stays
         unit = fsdp1_unit_bytes(arch, s, w, dtype_bytes, shard)

@@ -1,5 +1,5 @@
 """Bytes of 4-bit weights in the memory plan: bitsandbytes' packed codes and quantization constants of one
-tensor, and the MoE experts (held 4-bit per expert by weights/experts4bit.py whenever the base is 4-bit)."""
+tensor, and the MoE experts (held 4-bit per expert by weights/experts/module.py whenever the base is 4-bit)."""
 from __future__ import annotations
 
 from finetune.plan.activations import DTYPE_BYTES, MP_BYTES
@@ -23,7 +23,7 @@ def quant_constant_bytes(numel: int, double_quant: bool, blocksize: int = 64) ->
 
 
 def experts_4bit(s) -> bool:
-    """MoE experts are held 4-bit (weights/experts4bit.py) whenever the base is: a 4-bit recipe whose
+    """MoE experts are held 4-bit (weights/experts/module.py) whenever the base is: a 4-bit recipe whose
     checkpoint is quantized as it loads."""
     return s.quant in ("nf4", "fp4")
 

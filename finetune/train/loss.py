@@ -35,8 +35,8 @@ def setup_forward(model, activation_offloading: bool):
 
 def device_batch(batch: dict, device) -> dict:
     """`batch` ready for `token_loss_sum` on `device`, with everything that depends on the labels' values
-    worked out on the host first, so that a training step never waits for the GPU (issue 30: one read per
-    optimizer step): `rows`, the flat indices of the positions whose next token is trained (position t of
+    worked out on the host first, so that a training step never waits for the GPU (one read per optimizer
+    step): `rows`, the flat indices of the positions whose next token is trained (position t of
     row b is b * T + t), and `targets`, those next tokens. A boolean mask applied on the device would be a
     wait (its result's size is data-dependent). On a GPU the tensors go through pinned memory,
     asynchronously. (transformers' mask builder still reads the attention mask, or without one the

@@ -1,6 +1,6 @@
 """Synthetic model names: `synthetic:BASE?layers=2&hidden=1024&seed=0`, a model with BASE's architecture
 (a name of the built-in table, a hub id in the HF cache, `builtin:tiny-llama`, or a directory with a
-config.json), the shapes the options change, and seeded random weights. `weights/synthetic.py` builds the
+config.json), the shapes the options change, and seeded random weights. `weights/built/synthetic.py` builds the
 weights (sharded bf16 safetensors plus the tiny tokenizer) into the cache the first time the name is used;
 this module is the pure part: parsing, the config, and the cache directory.
 """

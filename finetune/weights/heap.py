@@ -1,5 +1,5 @@
-"""Handing the memory a load frees back to the OS, and keeping that cheap (weights.reader, weights.skeleton,
-weights.fsdp2, weights.fsdp1): Python's cycle collector for the objects a loaded weight leaves in cycles, glibc's
+"""Handing the memory a load frees back to the OS, and keeping that cheap (weights.load.reader, weights.load.skeleton,
+weights.shard.fsdp2, weights.shard.fsdp1): Python's cycle collector for the objects a loaded weight leaves in cycles, glibc's
 malloc_trim (util.libc) for the heap pages it keeps.
 """
 from __future__ import annotations

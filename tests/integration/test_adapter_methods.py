@@ -1,4 +1,4 @@
-"""The adapter methods (issue 35) trained for real on the builtin tiny model: each reaches plain LoRA's
+"""The adapter methods trained for real on the builtin tiny model: each reaches plain LoRA's
 held-out loss (within 10%, on one process and on 2-process FSDP2 for DoRA), its adapter reloads in plain
 peft with the logits of the model that trained, and a DoRA run merges with fp32 parity."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Artifacts other clients load, on one real tiny training run (shared by every test here):
-- the adapter and merged tokenizer/adapter files are portable (weights/portable.py), and transformers 4.57 reads
+- the adapter and merged tokenizer/adapter files are portable (artefacts/tokenizer.py and artefacts/adapter.py), and transformers 4.57 reads
   them with the same token ids as the pinned 5.x (only where scripts/check_tf4_tokenizer.sh built its venv);
 - `finetune export --format gguf` with llama.cpp's own converter (only where scripts/setup.sh fetched it):
   tensors read back equal the merged weights (f32 exactly, f16 to rounding, q8_0 within its step), the LoRA-only

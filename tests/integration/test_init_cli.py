@@ -1,4 +1,4 @@
-"""`finetune init` on real files (issue 37): from a model and a data file to a commented recipe that validates,
+"""`finetune init` on real files: from a model and a data file to a commented recipe that validates,
 sized by the memory plan from the lengths the model's tokenizer measures, with a held-out share of the user's
 own rows."""
 import csv

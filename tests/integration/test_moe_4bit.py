@@ -1,4 +1,4 @@
-"""MoE experts held 4-bit (weights/experts4bit.py) on synthetic Qwen3-MoE and Mixtral checkpoints in the
+"""MoE experts held 4-bit (weights/experts/module.py) on synthetic Qwen3-MoE and Mixtral checkpoints in the
 hub's per-expert layout (2 layers, 16 experts, seeded random weights; moe4bit.py):
 
 - every expert parameter of the loaded model is packed 4-bit bytes (at most 0.3x its bf16 size, the

@@ -1,4 +1,4 @@
-"""A new user's path with their own files (issue 37, must-show 1): a 200-row chat JSONL with tool calls, a 200-row
+"""A new user's path with their own files: a 200-row chat JSONL with tool calls, a 200-row
 alpaca JSON and a CSV, each through `init`, `data --show`, training, `eval` on the user's own held-out rows
 (predictions written); then `generate`, `chat` through a terminal, `merge` and a GGUF export with its Ollama
 Modelfile (where llama.cpp's converter is fetched). Every

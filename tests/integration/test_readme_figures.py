@@ -1,5 +1,5 @@
 """The embedded default's figures in README.md and notebooks/01_quickstart.ipynb are what a fresh clone
-measures (issue 37): this test runs the README's first command (train recipes/tiny_cpu.yaml, then
+measures: this test runs the README's first command (train recipes/tiny_cpu.yaml, then
 `finetune eval --json`) and compares. With FINETUNE_REGENERATE_FIGURES=1 it writes the measured figures into
 both files first, so a change that moves them updates them in the same commit.
 
@@ -7,7 +7,7 @@ The tolerances cover another CPU's kernels (bf16 autocast rounds differently acr
 the run: the figures moved from 0.522 / 0.60 to 0.5705 / 0.50 unnoticed because nothing compared them. On
 one AMD EPYC machine, c176a63 (the commit that wrote 0.522 / 0.60) measures 0.4879 / 0.56: 0.522 / 0.60 were
 another machine's. Bisected by the step-50 loss of the default run (first-parent history of main): the merge
-702a667 (issue 16: chunked loss, lean norms and MLPs) moved it 1.305093 -> 1.294353, and dbdb8f3 (lean RMSNorm
+702a667 (the chunked loss, lean norms and MLPs) moved it 1.305093 -> 1.294353, and dbdb8f3 (lean RMSNorm
 runs the stock norm on fp32 inputs) to 1.249023, where main still is; the end figures are 0.5705 / 0.50."""
 import json
 import os

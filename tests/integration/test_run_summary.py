@@ -1,4 +1,4 @@
-"""The end of a run and its resume, as the command line shows them (issue 37): parameter counts in parameters
+"""The end of a run and its resume, as the command line shows them: parameter counts in parameters
 (not packed 4-bit bytes), the held-out source, a summary instead of `done: {dict}`, `time` going on across a
 resume, and a resume that lengthens the run saying what the learning-rate schedule does."""
 import json

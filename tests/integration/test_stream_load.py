@@ -1,4 +1,4 @@
-"""The streaming loader (weights/reader.py, weights/skeleton.py) under FSDP, 2 processes over gloo: each rank holds
+"""The streaming loader (weights/load/reader.py, weights/load/skeleton.py) under FSDP, 2 processes over gloo: each rank holds
 only its shard of the packed 4-bit weights, and that shard is byte for byte the matching slice of what one
 process loads; quantization state is whole and equal on every rank; a pre-quantized checkpoint written by
 the project loads in 1 and 2 processes without quantizing and gives the same logits."""

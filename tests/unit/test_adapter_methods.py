@@ -1,4 +1,4 @@
-"""The adapter methods of the `lora` section (issue 35): DoRA, rsLoRA, LoRA+ and the initialisations, as
+"""The adapter methods of the `lora` section: DoRA, rsLoRA, LoRA+ and the initialisations, as
 the recipe, `validate`, the optimizer groups, peft's config and the planner see them. No weights."""
 from __future__ import annotations
 

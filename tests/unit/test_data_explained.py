@@ -1,4 +1,4 @@
-"""Data that explains itself (issue 37): each test is a trap a new user met with their own file, and the line
+"""Data that explains itself: each test is a trap a new user met with their own file, and the line
 that now names it: a chat template's exception as row, turn and field; bad-row counts that match and run in
 line order; rows dropped for length counted by reason with the max_seq_len that fixes it; where the held-out
 rows come from; save_to_disk folders; the `key[0].field=value` override the errors print."""

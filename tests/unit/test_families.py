@@ -64,7 +64,7 @@ def test_moe_experts_are_planned_4bit_with_adapters():
     assert [x.name for x in arch.linears()] == ["q_proj", "k_proj", "v_proj", "o_proj"]  # all-linear's reach
     experts = sum(x.d_in * x.d_out * x.count for x in arch.expert_params()) * arch.layers
     w = E.weight_terms(arch, s)
-    assert w["experts"] == experts // 2  # 4-bit: two codes a byte (weights/experts4bit.py)
+    assert w["experts"] == experts // 2  # 4-bit: two codes a byte (weights/experts/module.py)
     # the per-expert quantization state (one absmax byte per 64, a scale per 256 blocks, an offset) is held whole
     blocks = experts // 64
     assert blocks < w["quant_constants"] - E.weight_terms(arch, E.Setup(model=s.model, quant="none"))["quant_constants"]

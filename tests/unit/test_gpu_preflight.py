@@ -1,4 +1,4 @@
-"""A GPU recipe on the machine it is started on (issue 37): the weights must be in the local cache (training
+"""A GPU recipe on the machine it is started on: the weights must be in the local cache (training
 reads them offline; the download command is printed), and a model too large for CPU training is refused on a
 machine without a GPU unless FINETUNE_ALLOW_CPU=1 says so."""
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""`finetune init`'s sizing (issue 37): micro-batch, accumulation, max_seq_len, FSDP and offload from the memory
+"""`finetune init`'s sizing: micro-batch, accumulation, max_seq_len, FSDP and offload from the memory
 plan. The command itself, on real files: tests/integration/test_init_cli.py."""
 from finetune.plan.starter import DataFacts, ModelFacts, size
 

@@ -1,4 +1,4 @@
-"""Committed notebooks carry the run a reader sees on GitHub (issue 37): valid, every code cell run once, in
+"""Committed notebooks carry the run a reader sees on GitHub: valid, every code cell run once, in
 order, no error output and no per-cell timestamps, and built on finetune. tests/integration/test_notebooks.py runs
 them afresh and checks the committed outputs against that run (FINETUNE_REGENERATE_NOTEBOOKS=1 rewrites them)."""
 from __future__ import annotations

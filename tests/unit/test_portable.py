@@ -1,5 +1,5 @@
 """The tokenizer and adapter files finetune writes are in the form transformers 4 and 5 both read
-(weights/portable.py): the written fields, and transformers 5 reloading them with identical token ids.
+(artefacts/tokenizer.py and artefacts/adapter.py): the written fields, and transformers 5 reloading them with identical token ids.
 (The transformers 4.57 load itself: tests/integration/test_export_gguf.py and scripts/check_tf4_tokenizer.sh.)"""
 import importlib.util
 import json

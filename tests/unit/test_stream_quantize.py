@@ -1,4 +1,4 @@
-"""The streaming loader quantizes big weights in block-aligned pieces (weights/quantize.py): the packed
+"""The streaming loader quantizes big weights in block-aligned pieces (weights/load/quantize.py): the packed
 bytes and every part of the quantization state must equal one bitsandbytes quantize_4bit call's."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ from finetune.weights.load import quantize as Q
 from finetune.weights.load import reader
 
 
-class _Entry:  # the load plan's entry for a 4-bit weight (weights/loadplan.py), without a module
+class _Entry:  # the load plan's entry for a 4-bit weight (weights/load/loadplan.py), without a module
     def __init__(self, **q):
         self.q, self.key = q, "w"
 

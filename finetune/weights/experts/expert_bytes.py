@@ -1,4 +1,4 @@
-"""The packed 4-bit bytes of fused MoE experts (experts4bit.py), streamed: the machine's reader reads one
+"""The packed 4-bit bytes of fused MoE experts (weights/experts/module.py), streamed: the machine's reader reads one
 expert at a time (the hub's per-expert weights, stacked as transformers stacks them: reader.Checkpoint)
 and quantizes it alone with bitsandbytes' quantize_4bit (quantize.quantize: block-aligned pieces, same
 bytes), so no process holds more than one expert's unquantized weight. Whole: every rank gets every

@@ -1,4 +1,4 @@
-"""LoRA on 4-bit MoE experts (weights/experts4bit.PackedExperts) through peft's own ParamWrapper.
+"""LoRA on 4-bit MoE experts (weights/experts/module.PackedExperts) through peft's own ParamWrapper.
 
 peft's ParamWrapper adapts a fused expert parameter by registering a parametrization W + scale·B·A of the
 whole dense [E, out, in] tensor around the experts' forward (torch evaluates it at registration and the

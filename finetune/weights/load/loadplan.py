@@ -19,7 +19,7 @@ class Entry:
     dtype: torch.dtype  # the dtype it is stored in here (a 4-bit weight's: its packed storage dtype)
     shape: tuple  # its shape in the model (a 4-bit weight's: the unquantized (out, in))
     q: dict | None = None  # a 4-bit weight's quantization arguments (blocksize, quant_type, ...)
-    experts: int = 0  # packed MoE experts (experts4bit.py): how many; `shape` is then [E, out, in]
+    experts: int = 0  # packed MoE experts (weights/experts/module.py): how many; `shape` is then [E, out, in]
 
     @property
     def packed(self) -> bool:

@@ -41,7 +41,7 @@ def skeleton(path: Path, config, dtype: torch.dtype, bnb, prequantized: bool, at
                                    use_kernels=False)
         model.hf_quantizer = quantizer
         if not prequantized:
-            pack_experts(model, expert_q(bnb), dtype)  # fused MoE experts: 4-bit too (experts4bit.py)
+            pack_experts(model, expert_q(bnb), dtype)  # fused MoE experts: 4-bit too (weights/experts/module.py)
     return model, quantizer
 
 
