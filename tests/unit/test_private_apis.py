@@ -417,3 +417,236 @@ def test_the_private_use_finder_finds_each_kind(tmp_path):
         "docs/architecture.md:8: stale: `_old_name` is not used in ['gone.py', 'use.py']",
         "docs/architecture.md:8: no 'what breaks when the library changes'",
         "docs/architecture.md:8: pinned by `tests/test_x.py::test_none`, which does not exist"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pins: each library behaviour a row of the table relies on, checked where no other test reaches it on a CPU.
+
+
+def test_swap_tensors_keeps_a_forged_class_and_dict():
+    """FSDP1's param_init gives a meta Params4bit memory in place: a plain Parameter on the new memory borrows
+    the old one's class and `__dict__` for torch.utils.swap_tensors, so the same object (the optimizer holds
+    it) keeps its class and quantization arguments, now on the new memory."""
+    import bitsandbytes as bnb
+    import torch
+
+    t = bnb.nn.Params4bit(torch.empty(6, 1, dtype=torch.uint8, device="meta"), requires_grad=False,
+                          quant_type="nf4", blocksize=64, bnb_quantized=True)
+    before = id(t)
+    data = torch.arange(6, dtype=torch.uint8).reshape(6, 1)
+    new = torch.nn.Parameter(data, requires_grad=False)
+    new.__class__, new.__dict__ = t.__class__, t.__dict__
+    torch.utils.swap_tensors(t, new)
+    new.__dict__ = {}
+    assert id(t) == before and type(t) is bnb.nn.Params4bit and t.device.type == "cpu"
+    assert (t.quant_type, t.blocksize, t.bnb_quantized) == ("nf4", 64, True) and torch.equal(t.data, data)
+
+
+def test_module_buffers_live_in_the_buffers_dict():
+    """keep_buffers_fp32 and the skeleton's buffer move replace a buffer through `module._buffers[name]`: the
+    module then holds the new tensor under the same name and persistence."""
+    import torch
+
+    m = torch.nn.Module()
+    m.register_buffer("inv_freq", torch.ones(3, dtype=torch.bfloat16), persistent=False)
+    m._buffers["inv_freq"] = m.inv_freq.float()
+    assert m.inv_freq.dtype == torch.float32 and dict(m.named_buffers())["inv_freq"] is m.inv_freq
+    assert "inv_freq" not in m.state_dict()
+
+
+def test_params4bit_marked_quantized_is_not_quantized_again():
+    """The streamed load hands bitsandbytes bytes it packed already: `Params4bit(packed, quant_state=...,
+    module=linear, bnb_quantized=True)` keeps them as they are when moved; unmarked, `.to` would quantize the
+    packed bytes again as if they were weights."""
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as bf
+    import torch
+
+    w = torch.randn(8, 64)
+    packed, qs = bf.quantize_4bit(w, blocksize=64, quant_type="nf4")
+    lin = bnb.nn.Linear4bit(64, 8, quant_type="nf4")
+    kw = dict(requires_grad=False, quant_state=qs, blocksize=64, quant_type="nf4", compress_statistics=False,
+              quant_storage=torch.uint8)
+    p = bnb.nn.Params4bit(packed, module=lin, bnb_quantized=True, **kw)
+    assert p.module is lin and p.bnb_quantized
+    moved = p.to("cpu")
+    assert torch.equal(moved.data, packed) and moved.quant_state is qs
+    torch.testing.assert_close(bf.dequantize_4bit(moved.data, moved.quant_state), bf.dequantize_4bit(packed, qs))
+    unmarked = bnb.nn.Params4bit(w.clone(), requires_grad=False, blocksize=64, quant_type="nf4").to("cpu")
+    assert unmarked.bnb_quantized and unmarked.shape != w.shape  # unmarked, `.to` quantizes what it holds
+
+
+def test_linear4bit_cpu_repacking_switch_is_there():
+    """disable_cpu_weight_repacking (and the merge check's forward) turn off Linear4bit's CPU repacking through
+    its `support_avx512bf16_for_cpu` attribute, which its forward consults."""
+    import bitsandbytes as bnb
+
+    assert hasattr(bnb.nn.Linear4bit(4, 4), "support_avx512bf16_for_cpu")
+    assert "support_avx512bf16_for_cpu" in inspect.getsource(bnb.nn.Linear4bit.forward)
+
+
+def test_bitsandbytes_quantize_4bit_op_keeps_its_schema():
+    """weights' quantize_piece calls bitsandbytes' registered op by its schema's argument names."""
+    import bitsandbytes  # noqa: F401  (registers the op)
+    import torch
+
+    schema = torch.ops.bitsandbytes.quantize_4bit.default._schema
+    assert [a.name for a in schema.arguments] == ["A", "blocksize", "quant_type", "quant_storage"]
+    assert len(schema.returns) == 2
+
+
+def test_mkldnn_bf16_probe_answers():
+    """cpu_bf16_is_native asks oneDNN through its op; gone, every CPU would count as bf16-slow (fp32 compute)."""
+    import torch
+
+    assert isinstance(torch.ops.mkldnn._is_mkldnn_bf16_supported(), bool)
+
+
+def test_allocator_history_calls_take_what_the_memory_keeper_passes():
+    """The GPU memory trace (FINETUNE_MEMORY_TRACE) starts, snapshots and stops the allocator's history with
+    these private calls and keywords, and reads the snapshot's `device_traces`. No public form exists."""
+    import torch
+
+    record = inspect.signature(torch.cuda.memory._record_memory_history).parameters
+    assert {"enabled", "max_entries", "device"} <= set(record)
+    assert "device" in inspect.signature(torch.cuda.memory._snapshot).parameters
+    assert "device_traces" in inspect.getsource(torch.cuda.memory)
+
+
+def test_an_instance_forward_replaces_the_class_forward_until_deleted():
+    """lean.py and loss.py swap `forward` on module instances: the module's call (with its hooks, so FSDP's)
+    runs the instance's forward, other modules of the class keep theirs, and `del` restores the class's."""
+    import torch
+
+    lin, other, x = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.randn(3, 2)
+    calls = []
+    lin.register_forward_pre_hook(lambda m, args: calls.append("hook"))
+    lin.forward = lambda h: calls.append("forward") or h
+    assert lin(x) is x and calls == ["hook", "forward"] and "forward" in vars(lin)
+    torch.testing.assert_close(other(x), torch.nn.functional.linear(x, other.weight, other.bias))
+    del lin.forward
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+@pytest.fixture(scope="module")
+def meta_llama():
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=64)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+
+def test_model_attributes_the_loop_and_the_wrap_read(meta_llama):
+    """The loop picks the packing layout from `config._attn_implementation`; the FSDP wrap takes its layer
+    classes from `_no_split_modules` when the recipe names none."""
+    assert meta_llama.config._attn_implementation in ("sdpa", "eager")
+    assert list(meta_llama._no_split_modules) == ["LlamaDecoderLayer"]
+
+
+def test_hf_quantizer_hooks_swap_linears_on_a_meta_model():
+    """The skeleton does what from_pretrained does for a 4-bit load, on the meta model: the quantizer's
+    `preprocess_model` (with these keywords) swaps nn.Linear for Linear4bit except the head, and the model
+    carries it as `hf_quantizer` (transformers and peft read `is_quantized` from it)."""
+    import bitsandbytes as bnb
+    import torch
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig
+    from transformers.quantizers import AutoHfQuantizer
+
+    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, vocab_size=64)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    quantizer = AutoHfQuantizer.from_config(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+                                            pre_quantized=False)
+    quantizer.preprocess_model(model=model, dtype=torch.bfloat16, device_map=None, checkpoint_files=None,
+                               use_kernels=False)
+    model.hf_quantizer = quantizer
+    assert type(model.model.layers[0].self_attn.q_proj) is bnb.nn.Linear4bit and type(model.lm_head) is torch.nn.Linear
+    assert model.is_quantized
+    assert list(inspect.signature(quantizer.postprocess_model).parameters)[0] == "model"
+
+
+def test_transformers_4bit_skip_rules_the_merge_reads(meta_llama):
+    """merge/'s four_bit_weights finds the linears transformers' 4-bit loader converts with its own rules."""
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = list(set(get_keys_to_not_convert(meta_llama)) | set(getattr(meta_llama, "_keep_in_fp32_modules", None)
+                                                               or []))
+    assert skip == ["lm_head"]
+    assert should_convert_module("model.layers.0.self_attn.q_proj", skip)
+    assert not should_convert_module("lm_head", skip)
+
+
+def test_config_mapping_names_lists_the_native_model_types():
+    """Preflight tells a checkpoint with its own code apart from a model type transformers implements."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    assert CONFIG_MAPPING_NAMES["llama"] == "LlamaConfig" and "not-a-model-type" not in CONFIG_MAPPING_NAMES
+
+
+def test_get_pattern_key_resolves_as_the_merge_expects():
+    """The merge resolves rank_pattern / alpha_pattern with peft's own matcher: a matching key of the pattern,
+    else the module name itself (so `pattern.get(..., default)` falls back to the adapter's value)."""
+    from peft.utils.other import get_pattern_key
+
+    assert get_pattern_key(["q_proj", "v_proj"], "model.layers.1.self_attn.q_proj") == "q_proj"
+    module = "model.layers.0.mlp.down_proj"
+    assert {"q_proj": 8}.get(get_pattern_key(["q_proj"], module), 16) == 16
+
+
+def test_pydantic_private_attribute_written_from_outside_is_kept():
+    """recipe/read.py and train/parallel.py mark a resolved `strategy: auto` by writing the distributed
+    section's private `_from_auto` from outside it; pydantic keeps it, also on a copy."""
+    from pydantic import BaseModel, PrivateAttr
+
+    class Section(BaseModel):
+        strategy: str = "auto"
+        _from_auto: bool = PrivateAttr(default=False)
+
+    s = Section()
+    s._from_auto = True
+    assert s._from_auto and s.model_copy()._from_auto and "_from_auto" not in s.model_dump()
+
+
+def test_offline_switches_are_module_globals_read_at_call_time():
+    """data/sources.py makes a hub read offline by setting datasets' and huggingface_hub's HF_HUB_OFFLINE
+    module globals for the read: both libraries must read them when called, not copy them at import."""
+    import datasets.config
+    import huggingface_hub.constants as hub_constants
+    from datasets.utils import file_utils
+
+    saved = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    try:
+        assert hub_constants.is_offline_mode()
+        with pytest.raises(ConnectionError):
+            file_utils._raise_if_offline_mode_is_enabled()
+    finally:
+        datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
+
+
+def test_accelerator_takes_our_autocast_attribute():
+    """train/parallel.py keeps the autocast dtype on the Accelerator it makes (`_finetune_autocast_dtype`),
+    which has no slots and no attribute of that name."""
+    from accelerate import Accelerator
+
+    assert not hasattr(Accelerator, "__slots__") and not hasattr(Accelerator, "_finetune_autocast_dtype")
+
+
+def test_llama_cpp_converter_hook_is_there():
+    """The shim wraps the converter's `TextModel.get_vocab_base_pre` and reads its probe text (`chktxt`) from
+    that method's source: both must be in the pinned converter (read as text, not imported)."""
+    from finetune.gguf import converter
+
+    base = converter.converter_dir() / "conversion" / "base.py"
+    if not base.exists():
+        pytest.skip(f"no llama.cpp converter at {base.parent} ({converter.FETCH_COMMAND})")
+    cls = next(n for n in ast.walk(ast.parse(base.read_text())) if isinstance(n, ast.ClassDef) and n.name == "TextModel")
+    method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_vocab_base_pre")
+    assert [a.arg for a in method.args.args] == ["self", "tokenizer"]
+    assert any(isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "chktxt" for n in ast.walk(method))
