@@ -194,6 +194,16 @@ def _finetune_imports(name: str, tree: ast.AST, modules: set[str]) -> set[str]:
     return out
 
 
+def _assigned(body: list[ast.stmt]) -> set[str]:
+    """Names these statements assign (module level, or a class body)."""
+    out = set()
+    for stmt in body:
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(
+            stmt, (ast.AnnAssign, ast.AugAssign)) else []
+        out.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return out
+
+
 def ours(trees: dict[str, ast.AST]) -> dict[str, tuple[set[str], set[str]]]:
     """{module: (names ours on any receiver there, attributes ours on `self`/`cls` there)}. A name is ours in a
     module when that module, or a finetune module it imports or that imports it, defines it: as a def or class,
@@ -201,20 +211,12 @@ def ours(trees: dict[str, ast.AST]) -> dict[str, tuple[set[str], set[str]]]:
     for `self`/`cls` only, by `self._name = ...`."""
     own = {}
     for key, tree in trees.items():
-        defined, on_self = set(), set()
-
-        def assigned(body):
-            for stmt in body:
-                targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target] if isinstance(
-                    stmt, (ast.AnnAssign, ast.AugAssign)) else []
-                defined.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
-
-        assigned(tree.body)
+        defined, on_self = _assigned(tree.body), set()
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 defined.add(node.name)
             if isinstance(node, ast.ClassDef):
-                assigned(node.body)
+                defined |= _assigned(node.body)
             if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
                     and isinstance(node.value, ast.Name) and node.value.id in SELF):
                 on_self.add(node.attr)
@@ -273,9 +275,7 @@ def private_uses(tree: ast.AST, defined: set[str], on_self: set[str]) -> dict[st
             elif _is_private(node.attr):
                 if (store and recv not in SELF) or node.attr not in defined | (on_self if recv in SELF else set()):
                     add(node.attr, node)
-            elif store and recv not in SELF and node.attr in KNOWN_WRITES:
-                add(node.attr, node)
-            elif store and _receiver(root) in imported:
+            elif store and ((recv not in SELF and node.attr in KNOWN_WRITES) or _receiver(root) in imported):
                 add(node.attr, node)
             dotted = ast.unparse(node.value)
             if dotted.startswith("torch.ops.") and dotted.count(".") == 2:
@@ -294,10 +294,9 @@ def private_uses(tree: ast.AST, defined: set[str], on_self: set[str]) -> dict[st
                 add("__setattr__", node)
             elif fn in ("getattr", "hasattr", "setattr", "delattr") and name:
                 recv, write = _receiver(node.args[0]), fn in ("setattr", "delattr")
-                if name in KNOWN_PRIVATE or (write and name in SWAPPED):
-                    add(name, node)
-                elif _is_private(name) and ((write and recv not in SELF) or name not in defined | (
-                        on_self if recv in SELF else set())):
+                mine = defined | (on_self if recv in SELF else set())
+                if (name in KNOWN_PRIVATE or (write and name in SWAPPED)
+                        or (_is_private(name) and ((write and recv not in SELF) or name not in mine))):
                     add(name, node)
     return found
 
@@ -357,7 +356,7 @@ def table_problems(uses: dict[tuple[str, str], list[int]], rows: list[dict], roo
             problems.append(f"{where}: no test pins it (`tests/...py::test_name` in the last cell)")
         for path, test in r["pinned"]:
             file = root / path
-            if not file.exists() or not re.search(rf"^def {test}\(", file.read_text(encoding="utf-8"), re.M):
+            if not file.exists() or not re.search(rf"^def {test}\(", file.read_text(encoding="utf-8"), re.MULTILINE):
                 problems.append(f"{where}: pinned by `{path}::{test}`, which does not exist")
     return problems
 
@@ -410,10 +409,10 @@ def test_the_private_use_finder_finds_each_kind(tmp_path):
     problems = table_problems({k: v for k, v in found.items() if k[1] in (
         "_attn_implementation", "_snapshot", "get_pattern_key", "_init_utils")}, table_rows(page), tmp_path)
     assert problems == [
-        "finetune/use.py:3 uses `_init_utils` but no row of docs/architecture.md's private-API table names `use.py` "
-        "in its where cell and `_init_utils` in its private-use cell: add it to the row for that use, or add a row",
-        "docs/architecture.md:8: stale: `gone.py` uses none of the row's names any more (['_old_name', "
-        "'get_pattern_key']); finetune/gone.py is gone",
+        ("finetune/use.py:3 uses `_init_utils` but no row of docs/architecture.md's private-API table names `use.py` "
+         "in its where cell and `_init_utils` in its private-use cell: add it to the row for that use, or add a row"),
+        ("docs/architecture.md:8: stale: `gone.py` uses none of the row's names any more (['_old_name', "
+         "'get_pattern_key']); finetune/gone.py is gone"),
         "docs/architecture.md:8: stale: `_old_name` is not used in ['gone.py', 'use.py']",
         "docs/architecture.md:8: no 'what breaks when the library changes'",
         "docs/architecture.md:8: pinned by `tests/test_x.py::test_none`, which does not exist"]
@@ -465,8 +464,8 @@ def test_params4bit_marked_quantized_is_not_quantized_again():
     w = torch.randn(8, 64)
     packed, qs = bf.quantize_4bit(w, blocksize=64, quant_type="nf4")
     lin = bnb.nn.Linear4bit(64, 8, quant_type="nf4")
-    kw = dict(requires_grad=False, quant_state=qs, blocksize=64, quant_type="nf4", compress_statistics=False,
-              quant_storage=torch.uint8)
+    kw = {"requires_grad": False, "quant_state": qs, "blocksize": 64, "quant_type": "nf4",
+          "compress_statistics": False, "quant_storage": torch.uint8}
     p = bnb.nn.Params4bit(packed, module=lin, bnb_quantized=True, **kw)
     assert p.module is lin and p.bnb_quantized
     moved = p.to("cpu")
@@ -567,7 +566,7 @@ def test_hf_quantizer_hooks_swap_linears_on_a_meta_model():
     model.hf_quantizer = quantizer
     assert type(model.model.layers[0].self_attn.q_proj) is bnb.nn.Linear4bit and type(model.lm_head) is torch.nn.Linear
     assert model.is_quantized
-    assert list(inspect.signature(quantizer.postprocess_model).parameters)[0] == "model"
+    assert next(iter(inspect.signature(quantizer.postprocess_model).parameters)) == "model"
 
 
 def test_transformers_4bit_skip_rules_the_merge_reads(meta_llama):
@@ -646,7 +645,8 @@ def test_llama_cpp_converter_hook_is_there():
     base = converter.converter_dir() / "conversion" / "base.py"
     if not base.exists():
         pytest.skip(f"no llama.cpp converter at {base.parent} ({converter.FETCH_COMMAND})")
-    cls = next(n for n in ast.walk(ast.parse(base.read_text())) if isinstance(n, ast.ClassDef) and n.name == "TextModel")
+    tree = ast.parse(base.read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "TextModel")
     method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_vocab_base_pre")
     assert [a.arg for a in method.args.args] == ["self", "tokenizer"]
     assert any(isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "chktxt" for n in ast.walk(method))
