@@ -63,7 +63,7 @@ def test_the_patch_finder_finds_patches():
 
 
 def test_fsdp1_internals_the_shard_fill_uses_are_still_there():
-    """weights/fsdp1.py's private reads of torch FSDP1, pinned: a torch that renames or reshapes any of them
+    """weights/shard/fsdp1.py's private reads of torch FSDP1, pinned: a torch that renames or reshapes any of them
     fails here, by name, before a sharded FSDP1 load fails somewhere in the middle. The wrap itself is
     FSDP1's public path (`param_init_fn`), which calls the function per unit before it flattens."""
     import inspect
@@ -85,7 +85,7 @@ def test_fsdp1_internals_the_shard_fill_uses_are_still_there():
 
 
 def test_peft_param_wrapper_behaviour_packed_experts_rely_on():
-    """weights/expert_lora.py and weights/experts4bit.py lean on three things of peft's ParamWrapper that
+    """weights/experts/expert_lora.py and weights/experts/module.py lean on three things of peft's ParamWrapper that
     its docs do not promise: it sizes a parameter's adapters from `ds_shape` when the parameter has one
     (the packed 4-bit experts' logical [E, out, in]); `get_delta_factors` gives per-expert (lhs, rhs,
     scaling) with delta_e = scaling * lhs_e @ rhs_e equal to get_delta_weight's; and it nests a second
@@ -441,17 +441,6 @@ def test_swap_tensors_keeps_a_forged_class_and_dict():
     assert (t.quant_type, t.blocksize, t.bnb_quantized) == ("nf4", 64, True) and torch.equal(t.data, data)
 
 
-def test_module_buffers_live_in_the_buffers_dict():
-    """keep_buffers_fp32 and the skeleton's buffer move replace a buffer through `module._buffers[name]`: the
-    module then holds the new tensor under the same name and persistence."""
-    import torch
-
-    m = torch.nn.Module()
-    m.register_buffer("inv_freq", torch.ones(3, dtype=torch.bfloat16), persistent=False)
-    m._buffers["inv_freq"] = m.inv_freq.float()
-    assert m.inv_freq.dtype == torch.float32 and dict(m.named_buffers())["inv_freq"] is m.inv_freq
-    assert "inv_freq" not in m.state_dict()
-
 
 def test_params4bit_marked_quantized_is_not_quantized_again():
     """The streamed load hands bitsandbytes bytes it packed already: `Params4bit(packed, quant_state=...,
@@ -628,13 +617,6 @@ def test_offline_switches_are_module_globals_read_at_call_time():
     finally:
         datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
 
-
-def test_accelerator_takes_our_autocast_attribute():
-    """train/parallel.py keeps the autocast dtype on the Accelerator it makes (`_finetune_autocast_dtype`),
-    which has no slots and no attribute of that name."""
-    from accelerate import Accelerator
-
-    assert not hasattr(Accelerator, "__slots__") and not hasattr(Accelerator, "_finetune_autocast_dtype")
 
 
 def test_llama_cpp_converter_hook_is_there():
