@@ -81,9 +81,11 @@ def test_chunked_head_on_trained_rows_gives_the_full_logits_loss_and_gradients(s
     def rel(a, b):  # per tensor: single elements can cancel to ~0
         return float((a - b).norm() / b.norm())
 
-    # every adapter gradient at least as close to the fp64-softmax one as today's full-logits loss is
-    # (the chunked head itself matches to 1e-6: test_chunked_head_loss_matches_cross_entropy...)
-    assert max(rel(g, exact[k]) for k, g in grads.items()) <= max(rel(g, exact[k]) for k, g in ref_grads.items())
+    # every adapter gradient as close to the fp64-softmax one as the full-logits loss's, to fp32 rounding (the
+    # chunked head itself matches to 1e-6: test_chunked_head_loss_matches_cross_entropy...). Within 2x, not
+    # "at least as close": where torch's fp32 matmul picks its kernel by shape (oneDNN on an AMX Xeon) the
+    # two paths round differently, measured 3.8e-5 against 2.7e-5 there, and equal on an AVX2 EPYC.
+    assert max(rel(g, exact[k]) for k, g in grads.items()) <= 2 * max(rel(g, exact[k]) for k, g in ref_grads.items())
     assert max(rel(g, ref_grads[k]) for k, g in grads.items()) <= 2e-4
 
 
