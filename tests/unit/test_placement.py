@@ -13,8 +13,8 @@ def test_whole_model_loads_on_the_gpu_when_there_is_one(monkeypatch):
     class Loaded(Exception):
         pass
 
-    def load_base(path, config, dtype, bnb, where, *rest):
-        got.append(where)
+    def load_base(src):
+        got.append(src.placement)
         raise Loaded
     monkeypatch.setattr(skeleton, "load_base", load_base)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

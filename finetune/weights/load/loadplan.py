@@ -6,8 +6,22 @@ modules, so once the fill is done and the plan is dropped, nothing of the reader
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+
+@dataclass(frozen=True)
+class Source:
+    """What a load reads and how, resolved once from the recipe before anything is read (load/model.py):
+    each module below takes what it needs from here, and nothing is resolved twice."""
+    path: Path  # the local checkpoint directory
+    config: object  # its text decoder's transformers config
+    dtype: torch.dtype  # the dtype of every parameter that is not 4-bit (model.dtype)
+    bnb: object  # the 4-bit BitsAndBytesConfig (weights/bnb.py), or None for an unquantized base
+    placement: object  # placement.Placement: what this process keeps and where
+    attn: str  # the attention kernel this machine runs (resolve.resolve_attention)
+    trust_remote_code: bool
 
 
 @dataclass

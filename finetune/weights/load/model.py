@@ -12,6 +12,7 @@ from finetune.recipe import ModelSpec, QuantizationSpec
 from finetune.util.dtypes import torch_dtype
 from finetune.util.errors import RecipeError
 from finetune.weights.bnb import bnb_config, disable_cpu_weight_repacking
+from finetune.weights.load.loadplan import Source
 from finetune.weights.load.resolve import check_weights_format, local_checkpoint, resolve_attention, resolve_name, text_decoder
 
 
@@ -53,8 +54,8 @@ def load_with_plan(spec: ModelSpec, quant: QuantizationSpec, placement=None, qui
         from finetune.weights.load.skeleton import load_base
 
         config = text_decoder(AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code), quiet)
-        model, plan = load_base(Path(path), config, torch_dtype(spec.dtype), bnb_config(quant, spec.dtype),
-                                placement, attn, spec.trust_remote_code)
+        model, plan = load_base(Source(Path(path), config, torch_dtype(spec.dtype), bnb_config(quant, spec.dtype),
+                                       placement, attn, spec.trust_remote_code))
     model.config.use_cache = False  # training never uses the KV cache; it would also break packing masks
     for p in model.parameters():
         p.requires_grad_(False)

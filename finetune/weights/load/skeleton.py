@@ -17,7 +17,7 @@ import torch
 from finetune.util.errors import RecipeError
 from finetune.weights.experts.module import PackedExperts, expert_parameter, pack_experts
 from finetune.weights.heap import loading_objects_only, release_freed_memory
-from finetune.weights.load.loadplan import Entry, LoadPlan
+from finetune.weights.load.loadplan import Entry, LoadPlan, Source
 from finetune.weights.load.placement import Placement
 from finetune.weights.load.reader import Checkpoint, Stream, check_stored_config, materialize
 
@@ -96,9 +96,10 @@ def plan_entries(model, ckpt: Checkpoint) -> list[Entry]:
     return out
 
 
-def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement, attn: str, trust: bool):
-    """(the frozen base for `placement` (see the package doc), its load plan: None when every weight is
-    set, as for `whole`). `bnb`: a 4-bit BitsAndBytesConfig or None."""
+def load_base(src: Source):
+    """(the frozen base for `src.placement` (see the package doc), its load plan: None when every weight is
+    set, as for `whole`). `src.bnb`: a 4-bit BitsAndBytesConfig or None."""
+    path, config, dtype, bnb, placement = src.path, src.config, src.dtype, src.bnb, src.placement
     ckpt = Checkpoint(path)
     if ckpt.prequantized and bnb is None:
         raise RecipeError([f"model.name: {path} is a pre-quantized 4-bit checkpoint; set quantization.mode "
@@ -108,7 +109,7 @@ def load_base(path: Path, config, dtype: torch.dtype, bnb, placement: Placement,
     # The skeleton imports the model's modules and bitsandbytes' integration lazily (~100k objects): it
     # runs before the collector is narrowed to loading's objects, or every collection of the fill rescans
     # them (measured: 39 collections of 0.11 s each for the 2.6M-parameter tiny model).
-    model, quantizer = skeleton(path, config, dtype, bnb, ckpt.prequantized, attn, trust)
+    model, quantizer = skeleton(path, config, dtype, bnb, ckpt.prequantized, src.attn, src.trust_remote_code)
     plan = LoadPlan(Stream(ckpt, placement, dtype), plan_entries(model, ckpt))
     set_weights(plan, placement)
     if placement.mode == "whole":
