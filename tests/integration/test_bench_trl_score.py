@@ -1,9 +1,9 @@
-"""Row 7's scorer (benchmarks/trl_sft.py `score`) on a real adapter: every arm's adapter is scored by
+"""Row 7's scorer (benchmarks/peers/trl_sft.py `score`) on a real adapter: every arm's adapter is scored by
 finetune's own eval code, so a change there must not break the row silently."""
 import pytest
 
-from benchmarks import trl_sft
 from benchmarks.common import TINY_RECIPE
+from benchmarks.peers import trl_sft
 from finetune import recipe as recipe_mod
 
 pytestmark = pytest.mark.slow
@@ -15,9 +15,9 @@ def test_every_arm_is_scored_by_finetunes_eval(tmp_path):
     import torch
 
     from finetune.data.prepare import prepare
-    from finetune.weights.device import resolve_cpu_precision
     from finetune.train.inference import heldout_loss
     from finetune.train.lora import apply_lora
+    from finetune.weights.device import resolve_cpu_precision
     from finetune.weights.model import load_model
     from finetune.weights.resolve import load_tokenizer
 

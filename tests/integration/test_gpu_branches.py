@@ -13,15 +13,20 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec, TrainSpec, load
-from finetune.weights.device import bf16_native, cuda_unusable_reason, model_device, restore_cuda_rng
 from finetune.train.parallel import autocast
 from finetune.train.scaling import LossScaler
+from finetune.weights.device import (
+    bf16_native,
+    cuda_unusable_reason,
+    model_device,
+    restore_cuda_rng,
+)
 
 from ..conftest import ROOT
 
 # These are the GPU branches run on a CPU (a CPU standing in for the GPU, or a GPU that is absent or broken).
 # On a host with a usable GPU they would test that host instead: they skip there, and the GPU checks
-# (benchmarks/gpu.py) run the real branches.
+# (benchmarks/gpu/measure.py) run the real branches.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-ins for GPU branches; this host has CUDA")
 
 FP16 = TrainSpec(mixed_precision="fp16")
@@ -188,8 +193,8 @@ def test_inputs_are_moved_to_the_models_device(call, tok):
 def test_gpu_present_but_unusable_is_refused_with_the_reason(monkeypatch):
     from finetune.recipe import DistributedSpec, FsdpSpec
     from finetune.train import parallel as distributed
-    from finetune.weights import device
     from finetune.util.errors import RecipeError
+    from finetune.weights import device
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert cuda_unusable_reason(nodes=[]) is None  # no GPU installed: CPU training is the plan
@@ -205,8 +210,8 @@ def test_gpu_present_but_unusable_is_refused_with_the_reason(monkeypatch):
 
 
 def test_broken_flash_attn_falls_back_to_sdpa_with_the_reason(tmp_path, monkeypatch, capsys):
-    from finetune.weights.resolve import resolve_attention
     from finetune.util.log import log
+    from finetune.weights.resolve import resolve_attention
 
     pkg = tmp_path / "flash_attn"
     pkg.mkdir()

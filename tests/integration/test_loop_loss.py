@@ -150,7 +150,7 @@ def test_attention_kernels_pick_the_math_kernel_only_for_short_bf16_cpu_batches(
 def test_lean_norms_and_mlps_give_the_stock_loss_and_gradients(tiny_model_dir):
     # finetune.train.lean keeps less for backward and recomputes the rest with the modules' own forward:
     # the same loss, the same adapter gradients up to summation order, and fewer bytes saved for backward.
-    from benchmarks.memcheck import SavedTensorMeter
+    from benchmarks.cpu.memcheck import SavedTensorMeter
     from finetune.train import lean
     from finetune.train.lora import apply_lora
     from finetune.weights.model import load_model
@@ -186,8 +186,8 @@ def test_lean_norms_and_mlps_give_the_stock_loss_and_gradients(tiny_model_dir):
 def test_the_loss_changes_no_module_setup_puts_the_lean_modules_in(tiny_model_dir):
     """The loss only computes; what changes modules (the memory-lean norms and MLPs) happens once, at setup,
     where _train shows it (loss.setup_forward)."""
-    from finetune.train.loss import setup_forward, token_loss_sum
     from finetune.train.lora import apply_lora
+    from finetune.train.loss import setup_forward, token_loss_sum
     from finetune.weights.model import load_model
 
     model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False),
@@ -205,7 +205,11 @@ def test_the_loss_changes_no_module_setup_puts_the_lean_modules_in(tiny_model_di
 @pytest.mark.parametrize("amp", [False, True])
 def test_each_lean_module_is_the_stock_one_bit_for_bit(amp, dtype):
     # bf16 inputs are the GPU recipes' residual stream: the lean norm recomputes there (fp32 runs it as is)
-    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
+    from transformers.models.llama.modeling_llama import (
+        LlamaConfig,
+        LlamaMLP,
+        LlamaRMSNorm,
+    )
 
     from finetune.train import lean
 
@@ -264,7 +268,11 @@ def test_lean_modules_run_under_module_trackers():
     """FlopCounterMode (like torch's memory trackers) hooks every module call; the lean MLP's recomputation
     in backward must not call the activation module, whose hooks torch refuses inside a nested grad."""
     from torch.utils.flop_counter import FlopCounterMode
-    from transformers.models.llama.modeling_llama import LlamaConfig, LlamaMLP, LlamaRMSNorm
+    from transformers.models.llama.modeling_llama import (
+        LlamaConfig,
+        LlamaMLP,
+        LlamaRMSNorm,
+    )
 
     from finetune.train import lean
 

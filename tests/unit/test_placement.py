@@ -30,7 +30,7 @@ def test_whole_model_loads_on_the_gpu_when_there_is_one(monkeypatch):
 
 def test_a_launched_cpu_rank_places_without_copying():
     """Accelerate calls the CPU `cpu:0` under a launcher, and torch copies a tensor moved from `cpu` to
-    `cpu:0`: a rank receiving a broadcast 1 GiB table then held it twice (issue 33, benchmarks/phase_rss.py).
+    `cpu:0`: a rank receiving a broadcast 1 GiB table then held it twice (issue 33, benchmarks/cpu/phase_rss.py).
     The placement a real Accelerator gives keeps the CPU without an index, so moving there is free."""
     from types import SimpleNamespace
 

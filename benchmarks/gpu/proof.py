@@ -1,7 +1,7 @@
-"""The first GPU run, prepared to the minute: every stage of benchmarks/gpu_stages.py in priority order, each in
+"""The first GPU run, prepared to the minute: every stage of benchmarks/gpu/stages.py in priority order, each in
 its own process under a time cap, the whole under a deadline.
 
-    python -m benchmarks.gpu_proof --out-dir DIR [--deadline 420] [--stages env,models,...] [--dry-run]
+    python -m benchmarks.gpu.proof --out-dir DIR [--deadline 420] [--stages env,models,...] [--dry-run]
 
 A stage whose estimate no longer fits in what is left of the deadline is skipped, and the summary says so.
 After every stage DIR holds: results.json (every stage's result or error), RESULTS_GPU.md (the report),
@@ -47,7 +47,7 @@ FILES = ("results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log"
 
 
 def parse_args(argv):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_proof", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.proof", description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", type=Path, required=True, help="where the result files go (at most 8)")
     ap.add_argument("--deadline", type=float, default=420, help="seconds for all stages together (default 420)")
     ap.add_argument("--stages", help="comma-separated subset, in the order given (default: all, by priority)")
@@ -67,7 +67,7 @@ def parse_args(argv):
 
 
 def run_stage(name: str, work: Path, dry: bool, cap: float, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.gpu_stages", name, "--work", str(work)] + (["--dry-run"] if dry else [])
+    cmd = [sys.executable, "-m", "benchmarks.gpu.stages", name, "--work", str(work)] + (["--dry-run"] if dry else [])
     t0 = time.perf_counter()
     # Its own session, so a stage stopped at its cap takes its children (training runs, torchrun) with it.
     p = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     results.setdefault("stages", {})
     results["meta"] = {"date": now(), "commit": commit(), "dry_run": a.dry_run, "deadline_s": a.deadline,
-                       "command": "python -m benchmarks.gpu_proof " + " ".join(argv or sys.argv[1:])}
+                       "command": "python -m benchmarks.gpu.proof " + " ".join(argv or sys.argv[1:])}
     by_name = {s[0]: s for s in STAGES}
     start = time.perf_counter()
     tmp = None if a.work else tempfile.TemporaryDirectory(prefix="gpu-proof-")
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write_outputs(out: Path, results: dict) -> None:
-    from benchmarks.gpu_report import report
+    from benchmarks.gpu.report import report
 
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     (out / "RESULTS_GPU.md").write_text(report(results))

@@ -1,4 +1,4 @@
-"""RESULTS_GPU.md from the GPU proof's results.json (benchmarks/gpu_proof.py): one section per stage."""
+"""RESULTS_GPU.md from the GPU proof's results.json (benchmarks/gpu/proof.py): one section per stage."""
 from __future__ import annotations
 
 
