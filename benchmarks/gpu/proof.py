@@ -116,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
                 res = {"status": "skipped", "why": f"estimate {est} s > {left:.0f} s left of the deadline"}
             else:
                 res = run_stage(name, work, a.dry_run, min(cap, max(left, 1)), log)
-            res["what"] = what
+            # Each stage says where and when it ran: results pages merge stages from several runs and cards.
+            res.update(what=what, date=results["meta"]["date"], commit=results["meta"]["commit"],
+                       device=device_of(results, a.out_dir))
             results["stages"][name] = res
             print(f"[gpu_proof] {name}: {res['status']} ({res.get('seconds', 0)} s)", flush=True)
             if name == "env" and res["status"] == "ok":
@@ -129,6 +131,14 @@ def main(argv: list[str] | None = None) -> int:
             tmp.cleanup()
     print(summary(results), flush=True)
     return 0 if all(r["status"] == "ok" for r in results["stages"].values()) else 1
+
+
+def device_of(results: dict, out: Path) -> str | None:
+    """The GPU the env stage found, in this call or an earlier one whose env.json is in the out dir."""
+    env = (results["stages"].get("env") or {}).get("result")
+    if env is None and (out / "env.json").exists():
+        env = json.loads((out / "env.json").read_text())
+    return (env or {}).get("gpu")
 
 
 def write_outputs(out: Path, results: dict) -> None:
