@@ -96,15 +96,19 @@ def _run_rows(label: str, r: dict) -> list[str]:
     return out + [""] + _mem_rows(r["memory"]) + [""]
 
 
+def _env_rows(r: dict) -> list[str]:
+    keys = ["transformers_ok", "bnb_library", "quantize_4bit_bytes_equal_cpu", "matmul_4bit_rel_err",
+            "paged_adamw_8bit", "matmul_bf16_tflops", "copy_gb_s", "gpu_memory_gib", "capability"]
+    # the library's file name only: the directory is the machine's scratch site-packages
+    rows = [f"- {k}: {PurePath(r[k]).name if k == 'bnb_library' else kv(r[k])}" for k in keys if k in r]
+    bad = {k: v for k, v in (r.get("floors") or {}).items() if not v["ok"]}
+    rows.append(f"- pyproject floors not met here: {kv(bad)}")
+    return rows
+
+
 def _section(name: str, r: dict, results: dict) -> list[str]:
     if name == "env":
-        keys = ["transformers_ok", "bnb_library", "quantize_4bit_bytes_equal_cpu", "matmul_4bit_rel_err",
-                "paged_adamw_8bit", "matmul_bf16_tflops", "copy_gb_s", "gpu_memory_gib", "capability"]
-        # the library's file name only: the directory is the machine's scratch site-packages
-        rows = [f"- {k}: {PurePath(r[k]).name if k == 'bnb_library' else kv(r[k])}" for k in keys if k in r]
-        bad = {k: v for k, v in (r.get("floors") or {}).items() if not v["ok"]}
-        rows.append(f"- pyproject floors not met here: {kv(bad)}")
-        return rows
+        return _env_rows(r)
     if name == "models":
         return [f"- {k}: `{v['name']}`, {v['gib']} GiB, built in {v['seconds']} s" for k, v in r.items()]
     if name.startswith(("single", "load70b")):
