@@ -7,7 +7,7 @@
 - `moe`: a Qwen3-30B-A3B-width model (its 128 experts, few layers) with the experts held 4-bit and LoRA on
   them (`lora.target_parameters: auto`): train, the planner beside the measured phases, eval on the GPU.
 
-Each prints nothing of its own: gpu_stages.main writes the returned dict as the stage's result.
+Each prints nothing of its own: stages.main writes the returned dict as the stage's result.
 """
 from __future__ import annotations
 
