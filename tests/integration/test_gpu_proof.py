@@ -74,6 +74,8 @@ def test_a_short_deadline_skips_stages_and_still_writes_the_summary(tmp_path):
     skipped = [n for n, r in res.items() if r["status"] == "skipped"]
     assert skipped and all("left of the deadline" in res[n]["why"] for n in skipped)
     assert res["env"]["status"] == "ok"
+    # every stage says when and at which commit it ran (the results page merges stages of several runs)
+    assert all({"date", "commit", "device"} <= set(r) for r in res.values())
     assert "stage     status" in p.stdout and "skipped" in (tmp_path / "out" / "RESULTS_GPU.md").read_text()
 
 
