@@ -1,7 +1,3 @@
-"""Side-by-side performance measurements, one command: `python -m benchmarks [--json]`.
-
-One module per row (throughput, packing, merge_rss, estimate_error, checkpointing, startup, trl_sft,
-loss_memory), each exposing `run(**settings) -> dict`; `__main__` runs each in a fresh interpreter and writes
-benchmarks/RESULTS.md.
-`benchmarks/gpu.py` is the GPU-machine counterpart (a real recipe, tokens/s, MFU, peak memory per GPU).
-"""
+"""Measurements of finetune: the CPU rows (`python -m benchmarks`, cpu/), the GPU proof (gpu/) and the
+comparisons with other tools (peers/). benchmarks/README.md is the one table of what each measures, its
+command, its goal and where its result goes; common.py and flops.py are what the folders share."""

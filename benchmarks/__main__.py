@@ -1,8 +1,11 @@
-"""`python -m benchmarks [--json]`: every row, each in a fresh interpreter, then benchmarks/RESULTS.md.
+"""`python -m benchmarks [--json]`: the CPU rows, each in a fresh interpreter, then benchmarks/RESULTS.md.
 
-Rows (one module each): throughput (1), packing (2), merge_rss (3), estimate_error (4), checkpointing (5),
-startup (6), trl_sft (7), loss_memory (8), load_rss (9), phase_rss (10), prepare_rss (11). With --json the last line of stdout is one JSON object: the four goal figures first, then
-everything measured. Progress goes to stderr.
+Rows (one module each, benchmarks/README.md has the table): throughput (1), packing (2), merge_rss (3),
+estimate_error (4), checkpointing (5), startup (6), trl_sft (7), loss_memory (8), load_rss (9), phase_rss (10),
+prepare_rss (11). Every row is stamped with the commit and date it was measured at, and kept in
+benchmarks/RESULTS.json: a run of some rows (`--rows`) rewrites those and keeps the others with their own
+stamps, so a stale row says so. With --json the last line of stdout is one JSON object: the four goal figures
+first, then everything measured. Progress goes to stderr.
 """
 from __future__ import annotations
 
@@ -12,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks import common, report
+from benchmarks import common
+from benchmarks.cpu import report, report_details
 
 # row -> (kwargs for the record, kwargs for --quick, timeout in seconds). The record settings keep the
 # whole run near 8 minutes on 2 idle cores.
@@ -29,6 +33,8 @@ ROWS = {
     "phase_rss": ({}, {"layers": 2, "only": ["single", "fsdp2"]}, 3600),
     "prepare_rss": ({"rows": 200_000}, {"rows": 20_000}, 1800),
 }
+# row -> the module that measures it (run through benchmarks._child): the peer comparison lives with the peers
+MODULES = {name: f"{'peers' if name.startswith('trl_') else 'cpu'}.{name}" for name in ROWS}
 DEFAULT_OUT = common.ROOT / "benchmarks" / "RESULTS.md"
 
 
@@ -42,6 +48,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     "choice, one per core)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where to write the markdown report")
     ap.add_argument("--check", action="store_true", help="exit 1 unless all four goals are met")
+    ap.add_argument("--fresh", action="store_true", help="forget the rows kept from earlier runs (the JSON "
+                    "beside --out): the report then holds only the rows run now")
     a = ap.parse_args(argv)
     a.selected = list(ROWS) if not a.rows else [r.strip() for r in a.rows.split(",") if r.strip()]
     unknown = [r for r in a.selected if r not in ROWS]
@@ -60,11 +68,13 @@ def meta(a: argparse.Namespace, argv: list[str]) -> dict:
 
 def run_rows(a: argparse.Namespace, results: dict, t0: float,
              log=lambda s: print(s, file=sys.stderr, flush=True)) -> dict:
-    rows = results["rows"] = {}
+    rows = results["rows"] = {} if a.fresh else kept_rows(a.out)
+    stamp = {k: results["meta"][k] for k in ("commit", "date", "quick", "threads")}
     for i, name in enumerate(a.selected, 1):
         full, quick, timeout = ROWS[name]
         log(f"benchmarks: {name} ...")
-        rows[name] = common.run_module(name, quick if a.quick else full, timeout, a.threads)
+        rows[name] = common.run_module(MODULES[name], quick if a.quick else full, timeout, a.threads)
+        rows[name]["measured"] = stamp
         log(f"benchmarks: {name}: {report.status(rows[name])} ({rows[name].get('seconds', '?')} s)")
         if i < len(a.selected):
             # A full run takes most of an hour: the report is rewritten after every row, so stopping the run
@@ -76,9 +86,18 @@ def run_rows(a: argparse.Namespace, results: dict, t0: float,
     return rows
 
 
+def kept_rows(out: Path) -> dict:
+    """The rows an earlier run measured (RESULTS.json beside the report), in the table's order, each with its
+    own `measured` stamp; rows from before the stamps existed are dropped rather than shown undated."""
+    raw = out.with_suffix(".json")
+    old = json.loads(raw.read_text()).get("rows", {}) if raw.exists() else {}
+    return {name: old[name] for name in ROWS if "measured" in old.get(name, {})}
+
+
 def write_report(a: argparse.Namespace, results: dict) -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(report.markdown(results))
+    a.out.with_suffix(".json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    a.out.write_text(report_details.markdown(results))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     s = report.summary(results)
     if a.json:
         print(json.dumps(s, default=str))
-    failed = [n for n, st in s["row_status"].items() if st == "error"]
+    failed = [n for n in a.selected if s["row_status"][n] == "error"]  # a kept row's old error is not this run's
     if failed:
         print(f"benchmarks: failed rows: {', '.join(failed)}", file=sys.stderr)
         return 1

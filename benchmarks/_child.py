@@ -1,5 +1,6 @@
-"""`python -m benchmarks._child MODULE KWARGS_JSON`: run benchmarks.MODULE.run(**kwargs) in this fresh
-interpreter and print its result as one JSON line (the orchestrator reads the last one)."""
+"""`python -m benchmarks._child MODULE KWARGS_JSON`: run benchmarks.MODULE.run(**kwargs) (MODULE dotted below
+benchmarks, e.g. cpu.throughput) in this fresh interpreter and print its result as one JSON line (the
+orchestrator reads the last one)."""
 from __future__ import annotations
 
 import importlib
@@ -14,7 +15,7 @@ def main(argv: list[str]) -> int:
     except ModuleNotFoundError as e:
         if e.name != f"benchmarks.{name}":
             raise  # the row exists but something it needs does not: that is a failure, not absence
-        print(json.dumps({"available": False, "reason": f"benchmarks/{name}.py is not present"}))
+        print(json.dumps({"available": False, "reason": f"benchmarks/{name.replace('.', '/')}.py is not present"}))
         return 0
     print(json.dumps(module.run(**kwargs), default=str), flush=True)
     return 0

@@ -171,7 +171,7 @@ def commit() -> str:
 
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
     dirty = [ln for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()
-             if not ln.endswith("benchmarks/RESULTS.md")]
+             if not ln.endswith(("benchmarks/RESULTS.md", "benchmarks/RESULTS.json"))]
     return head + ("+dirty" if dirty else "")
 
 

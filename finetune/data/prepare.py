@@ -144,7 +144,7 @@ def encode_cached(rows: Rows, order: array, tok, spec: DataSpec, what: str):
 def _release_arrow_memory() -> None:
     """Hand the arrow buffers of the map's input and batches back to the OS: pyarrow's allocator (mimalloc)
     would otherwise keep the freed pages for the rest of the run: measured 9-13 MiB of peak RSS on the tiny
-    recipe's 4000 rows (benchmarks/trl_sft.py)."""
+    recipe's 4000 rows (benchmarks/peers/trl_sft.py)."""
     import pyarrow
 
     pyarrow.default_memory_pool().release_unused()

@@ -3,7 +3,7 @@
 Streaming by construction: the base is read one safetensors shard at a time (never the whole model,
 never 4-bit weights), each targeted weight gets (alpha/r) * B @ A added in fp32 (and, for DoRA, each row
 rescaled to its learned magnitude) and is rounded once to the output dtype, and output shards are written
-as they fill. Peak memory is about one input shard plus one output shard, whatever the model size (benchmarks/merge_rss.py measures it).
+as they fill. Peak memory is about one input shard plus one output shard, whatever the model size (benchmarks/cpu/merge_rss.py measures it).
 
 Targets: `original` adds the update to the base weights as published; `nf4` adds it to each weight as
 training saw it (cast to the recipe's model dtype, 4-bit quantized, dequantized), so the merged model

@@ -17,7 +17,7 @@ def full_logits_bytes(tokens: int, vocab: int, compute_bytes: int) -> int:
     """Peak of a full-logits loss, cross_entropy(logits.float()): it comes in backward, where the fp32
     log-probabilities cross_entropy saved, their incoming gradient and the gradient of the logits are
     alive together (the compute-dtype logits and their fp32 copy never overlap all three; measured on
-    CPU by benchmarks/loss_memory.py). `compute_bytes` does not change it."""
+    CPU by benchmarks/cpu/loss_memory.py). `compute_bytes` does not change it."""
     return 3 * tokens * vocab * 4
 
 

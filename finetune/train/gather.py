@@ -60,7 +60,7 @@ def _fsdp1_trainable(model, offload: bool) -> dict:
     at a time (`summon_full_params(unit, recurse=False)`), so rank 0 holds one unit's full parameters beside
     its shards. FSDP1's FULL_STATE_DICT instead gathers and clones every unit's full parameters on rank 0,
     frozen 4-bit weights included: the whole model at every save (measured: +2.9 GiB on rank 0 of the
-    2 GB synthetic model, benchmarks/phase_rss.py). The root unit comes first in `fsdp_modules` and is
+    2 GB synthetic model, benchmarks/cpu/phase_rss.py). The root unit comes first in `fsdp_modules` and is
     always summoned: FSDP1's lazy init must start from the root (summoning a nested unit first would make
     it a root). `offload` (GPU runs) copies each gathered unit to CPU memory at once; on CPU it stays off:
     FSDP1's `FlatParamHandle.to_cpu` moves the gathered flat parameter to where it already is and then

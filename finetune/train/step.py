@@ -88,7 +88,7 @@ def read_step_values(acc, loss_total: torch.Tensor, grad_norm, sums: dict | None
                      ) -> tuple[float, float | None, dict]:
     """(the step's loss summed over ranks, the gradient norm, each of `sums` summed over ranks: a preference
     step's statistics) as floats, in one reduce and one device-to-host read: the step's only wait for the
-    GPU (measured on an H200, benchmarks/syncs.py). The norm is already the same on every rank (clipping
+    GPU (measured on an H200, benchmarks/gpu/syncs.py). The norm is already the same on every rank (clipping
     reduces it)."""
     keys = sorted(sums or {})
     summed = torch.stack([loss_total.reshape(()).to(torch.float64)]

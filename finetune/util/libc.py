@@ -41,7 +41,7 @@ def map_large_buffers(threshold: int = 1 << 20) -> None:
     64-bit), after which tensors come from the heap and their freed space stays in the process. Measured:
     the merge's peak varied 667-695 / 728-782 MB run to run on 200 / 400 MB models, and 583 / 615 MB with a
     fixed 1 MiB threshold; a 2-process FSDP2 run on CPU kept 0.8-1.2 GiB per rank after its training steps
-    (benchmarks/phase_rss.py), which a fixed threshold hands back. Process-wide and permanent: it changes
+    (benchmarks/cpu/phase_rss.py), which a fixed threshold hands back. Process-wide and permanent: it changes
     only where large blocks come from. Host memory only: a GPU's tensors are CUDA's caching allocator's."""
     lib = glibc()
     if lib is not None:

@@ -1,8 +1,8 @@
-"""Row 7's scorer (benchmarks/trl_sft.py `score`) on a real adapter: every arm's adapter is scored by
+"""Row 7's scorer (benchmarks/peers/trl_sft.py `score`) on a real adapter: every arm's adapter is scored by
 finetune's own eval code, so a change there must not break the row silently."""
 import pytest
 
-from benchmarks import trl_sft
+from benchmarks.peers import trl_sft
 from benchmarks.common import TINY_RECIPE
 from finetune import recipe as recipe_mod
 

@@ -1,9 +1,9 @@
 """The plan against measurement on the tiny model in 4-bit NF4 (double quant, fp32 storage) + LoRA on every
 linear, on CPU. Weights, gradients and optimizer state are counted from the live tensors; activations are
-what autograd saves for backward, caught with torch.autograd.graph.saved_tensors_hooks (benchmarks/memcheck.py)."""
+what autograd saves for backward, caught with torch.autograd.graph.saved_tensors_hooks (benchmarks/cpu/memcheck.py)."""
 import pytest
 
-from benchmarks import memcheck
+from benchmarks.cpu import memcheck
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,7 @@ from ..conftest import ROOT
 
 # These are the GPU branches run on a CPU (a CPU standing in for the GPU, or a GPU that is absent or broken).
 # On a host with a usable GPU they would test that host instead: they skip there, and the GPU checks
-# (benchmarks/gpu.py) run the real branches.
+# (benchmarks/gpu/measure.py) run the real branches.
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU stand-ins for GPU branches; this host has CUDA")
 
 FP16 = TrainSpec(mixed_precision="fp16")

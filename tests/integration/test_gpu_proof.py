@@ -1,6 +1,6 @@
-"""The GPU proof's dry run (`python -m benchmarks.gpu_proof --dry-run`): every stage on tiny shapes on the CPU,
+"""The GPU proof's dry run (`python -m benchmarks.gpu.proof --dry-run`): every stage on tiny shapes on the CPU,
 the files it writes, and a short deadline that skips stages cleanly. Also the bitsandbytes-1945 check
-(benchmarks/bytecheck.py) over gloo with 2 processes on weights whose packed bytes are mostly bf16 NaNs."""
+(benchmarks/gpu/bytecheck.py) over gloo with 2 processes on weights whose packed bytes are mostly bf16 NaNs."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,7 +17,7 @@ pytestmark = [pytest.mark.slow]
 
 
 def proof(out: Path, work: Path, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_proof", "--dry-run", "--out-dir", str(out),
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu.proof", "--dry-run", "--out-dir", str(out),
                            "--work", str(work), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -75,6 +74,8 @@ def test_a_short_deadline_skips_stages_and_still_writes_the_summary(tmp_path):
     skipped = [n for n, r in res.items() if r["status"] == "skipped"]
     assert skipped and all("left of the deadline" in res[n]["why"] for n in skipped)
     assert res["env"]["status"] == "ok"
+    # every stage says when and at which commit it ran (the results page merges stages of several runs)
+    assert all({"date", "commit", "device"} <= set(r) for r in res.values())
     assert "stage     status" in p.stdout and "skipped" in (tmp_path / "out" / "RESULTS_GPU.md").read_text()
 
 
@@ -110,7 +111,7 @@ def test_fsdp2_keeps_packed_bytes_bit_for_bit_when_most_read_as_bf16_nans(tmp_pa
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(rec))
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "benchmarks.bytecheck", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                        "-m", "benchmarks.gpu.bytecheck", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
     assert res["world"] == 2 and res["storage"] == "bfloat16"

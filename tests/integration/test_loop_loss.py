@@ -152,7 +152,7 @@ def test_attention_kernels_pick_the_math_kernel_only_for_short_bf16_cpu_batches(
 def test_lean_norms_and_mlps_give_the_stock_loss_and_gradients(tiny_model_dir):
     # finetune.train.lean keeps less for backward and recomputes the rest with the modules' own forward:
     # the same loss, the same adapter gradients up to summation order, and fewer bytes saved for backward.
-    from benchmarks.memcheck import SavedTensorMeter
+    from benchmarks.cpu.memcheck import SavedTensorMeter
     from finetune.train import lean
     from finetune.train.lora import apply_lora
     from finetune.weights.load.model import load_model

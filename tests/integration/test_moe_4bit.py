@@ -299,9 +299,9 @@ def test_the_plan_counts_the_experts_bytes_and_workspace_as_loaded(family_dir):
 @pytest.mark.parametrize("targets", ["auto", []], ids=["experts-adapted", "experts-frozen"])
 def test_the_plans_activations_are_within_15_percent_of_what_autograd_keeps(family_dir, targets):
     """plan/activations.py against the bytes autograd saves in one forward of the 4-bit expert model
-    (saved-tensor hooks, benchmarks/memcheck.py), over seq x micro-batch x checkpointing: the routed
+    (saved-tensor hooks, benchmarks/cpu/memcheck.py), over seq x micro-batch x checkpointing: the routed
     tokens' indices, inputs, the weighted outputs index_add_ keeps, each expert's cast adapter slices."""
-    from benchmarks import memcheck
+    from benchmarks.cpu import memcheck
     from finetune.plan import estimate as E
     from finetune.plan.archs import from_config
     from finetune.train import lean

@@ -1,4 +1,4 @@
-"""Memory per phase, over whole runs launched as users launch them (benchmarks/phase_rss.py: one
+"""Memory per phase, over whole runs launched as users launch them (benchmarks/cpu/phase_rss.py: one
 process with recipes/tiny_cpu.yaml, then 2 processes of recipes/tiny_cpu_fsdp.yaml under `accelerate launch`
 with FSDP2 and with FSDP1; 2 steps at micro-batch 2 and the end-of-run eval). Every run writes
 RUN_DIR/memory.json: each rank's peak RSS per phase, and the planner's CPU figures for the same phases.
@@ -11,7 +11,7 @@ RUN_DIR/memory.json: each rank's peak RSS per phase, and the planner's CPU figur
 """
 import pytest
 
-from benchmarks import phase_rss
+from benchmarks.cpu import phase_rss
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -270,3 +270,40 @@ def test_help_and_planning_answer_without_heavy_imports():
     assert "validate" in out.stdout and "GPU memory per device" in out.stdout
     assert "--seed must be 0 to 2^32-1" in out.stderr and "--max-rows must be >= 0" in out.stderr
     assert out.stderr.count("runs/no-such-run: not a finished run dir") == 2, out.stderr
+
+
+def repository_graph(root: Path) -> dict[str, set[str]]:
+    """Every package at the repository's top (finetune, benchmarks, tests, ...) and what each module imports
+    from any of them, inside functions too: cycles can run across packages, so one graph holds them all."""
+    modules = {}
+    for init in sorted(root.glob("*/__init__.py")):
+        modules.update(module_files(init.parent))
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue  # relative imports stay inside one package, which imports_of's graph already checks
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    found.add(t)
+        graph[name] = found
+    return graph
+
+
+def test_no_import_cycle_anywhere_in_the_repository(tmp_path):
+    """benchmarks/ held the repository's only cycles (issue 46); this holds every top-level package to it."""
+    graph = repository_graph(ROOT)
+    assert {"benchmarks.gpu.stages", "benchmarks.cpu.report"} <= set(graph), "benchmarks/ is not in the graph"
+    assert cycles(graph) == []
+    for pkg, body in (("a", "from b import y\n"), ("b", "def f():\n    from a.x import g\n")):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+        (tmp_path / pkg / ("x.py" if pkg == "a" else "y.py")).write_text(body)
+    assert cycles(repository_graph(tmp_path)) == [["a.x", "b.y"]]

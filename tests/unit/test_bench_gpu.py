@@ -1,11 +1,11 @@
-"""benchmarks/gpu.py: argument handling, GPU-name lookup, the figures it derives and the report it writes.
+"""benchmarks/gpu/measure.py: argument handling, GPU-name lookup, the figures it derives and the report it writes.
 (The measurement itself needs CUDA and is not run here.)"""
 import glob
 from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu
+from benchmarks.gpu import measure as gpu
 from finetune.plan.archs import from_config
 from finetune.util.errors import RecipeError
 
@@ -106,7 +106,7 @@ def _result(**kw):
     r = gpu.summarize(_records(), [{"allocated": int(6.5 * 2**30), "reserved": 7 * 2**30}], warmup=10, world=1,
                       arch=from_config(TINY), lora_r=16, lora_targets="all-linear", seq=64, checkpointing=True,
                       tokens_per_trained=2.0, gpu_name="NVIDIA GeForce RTX 4090", tflops=165.2)
-    return {**r, "command": "python -m benchmarks.gpu recipes/llama3_8b_qlora.yaml", "date": "2026-11-22",
+    return {**r, "command": "python -m benchmarks.gpu.measure recipes/llama3_8b_qlora.yaml", "date": "2026-11-22",
             "commit": "abc123", "recipe": "recipes/llama3_8b_qlora.yaml", "model": "meta-llama/Llama-3.1-8B",
             "method": "NF4 + LoRA", "seq_len": 2048, "micro_batch": 2, "grad_accum": 8, "packing": True,
             "checkpointing": True, "versions": {"torch": "2.13.0"}, **kw}

@@ -5,7 +5,8 @@ import json
 import pytest
 
 from benchmarks import __main__ as cli
-from benchmarks import common, report
+from benchmarks import common
+from benchmarks.cpu import report, report_details
 
 ROWS = {
     "throughput": {"throughput_ratio": 1.08, "finetune_tokens_per_s": 520.0, "plain_tokens_per_s": 481.5,
@@ -91,7 +92,7 @@ def test_summary_leads_with_the_goal_figures():
 
 
 def test_markdown_has_machine_versions_commit_and_every_row():
-    md = report.markdown(results())
+    md = report_details.markdown(results())
     for text in ("Test CPU (2 cores)", "torch 2.13.0", "commit `abc123`", "**1.08** (520 vs 481.5)",
                  "**2.1** (padding 0.02 packed, 0.55 unpacked)", "(peft merge_and_unload: 1.02)", "**0.016**",
                  "**1.3x**", "2.331234 for finetune", "off: 1.2 x 4N; on: 1.18 x 6N", "**9.5 s**", "**1.2 s**", "4N", "6N"):
@@ -103,22 +104,22 @@ def test_markdown_has_machine_versions_commit_and_every_row():
 
 
 def test_markdown_flags_load_quick_runs_and_failures():
-    rows = {**ROWS, "packing": {"available": False, "reason": "benchmarks/packing.py is not present"},
+    rows = {**ROWS, "packing": {"available": False, "reason": "benchmarks/cpu/packing.py is not present"},
             "merge_rss": {"error": "exit 1", "stderr": "Traceback ...\nMemoryError"}}
     rows.pop("startup")
-    md = report.markdown(results(rows, load_before=3.9, quick=True))
+    md = report_details.markdown(results(rows, load_before=3.9, quick=True))
     assert "Taken under load" in md and "load average 3.9" in md and "not final" in md
     assert "Quick run" in md
     # the load at the end is the benchmarks' own: it does not flag an idle start
-    assert "Taken under load" not in report.markdown(results(ROWS, load_before=0.1, load_after=1.4))
-    assert "not available (benchmarks/packing.py is not present)" in md
+    assert "Taken under load" not in report_details.markdown(results(ROWS, load_before=0.1, load_after=1.4))
+    assert "not available (benchmarks/cpu/packing.py is not present)" in md
     assert "error: exit 1" in md and "MemoryError" in md
     assert "Not run this time" in md  # startup
 
 
 def test_a_row_missing_a_figure_does_not_break_the_report():
     rows = {**ROWS, "packing": {"packing_speedup": 1.7}}  # another module's result shape may change
-    md = report.markdown(results(rows))
+    md = report_details.markdown(results(rows))
     assert "**1.7**" in md and "## 2. Packing" in md
 
 
@@ -140,7 +141,9 @@ def test_last_json_line_ignores_library_chatter():
 
 
 def _fake_rows(monkeypatch, rows):
-    monkeypatch.setattr(common, "run_module", lambda name, kwargs, timeout, threads=None: dict(rows[name]))
+    # run_module gets the dotted module below benchmarks (cpu.throughput, peers.trl_sft): its last part is the row
+    monkeypatch.setattr(common, "run_module",
+                        lambda module, kwargs, timeout, threads=None: dict(rows[module.rpartition(".")[2]]))
 
 
 def test_main_writes_results_and_prints_json_last(monkeypatch, tmp_path, capsys):
@@ -169,3 +172,25 @@ def test_main_exit_codes(monkeypatch, tmp_path, capsys):
     _fake_rows(monkeypatch, {**ROWS, "startup": {"error": "timed out after 600 s"}})
     assert cli.main(["--out", str(tmp_path / "c.md")]) == 1
     assert "failed rows: startup" in capsys.readouterr().err
+
+
+def test_a_run_of_some_rows_keeps_the_others_with_their_own_stamps(monkeypatch, tmp_path, capsys):
+    """RESULTS.json beside the report carries every row between runs; each row says when it was measured, so
+    a row the last command did not run reads as older instead of vanishing or passing for new."""
+    out = tmp_path / "RESULTS.md"
+    monkeypatch.setattr(common, "commit", lambda: "old111")
+    _fake_rows(monkeypatch, ROWS)
+    assert cli.main(["--out", str(out)]) == 0
+    monkeypatch.setattr(common, "commit", lambda: "new222")
+    _fake_rows(monkeypatch, {**ROWS, "packing": {**ROWS["packing"], "packing_speedup": 2.9}})
+    assert cli.main(["--out", str(out), "--rows", "packing"]) == 0
+    kept = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert kept["packing"]["measured"]["commit"] == "new222" and kept["packing"]["packing_speedup"] == 2.9
+    assert kept["throughput"]["measured"]["commit"] == "old111" and list(kept) == list(cli.ROWS)
+    md = out.read_text()
+    summary = md.split("## Summary")[1].split("\n## ")[0]
+    assert "| **2.9** (padding" in summary and "`new222`" in summary.split("| 2 |")[1].split("\n")[0]
+    assert "`old111`" in summary.split("| 1 |")[1].split("\n")[0]
+    assert "it measured packing." in md and "Measured at `old111`" in md.split("## 1. ")[1].split("## 2. ")[0]
+    assert cli.main(["--out", str(out), "--rows", "packing", "--fresh"]) == 0
+    assert list(json.loads(out.with_suffix(".json").read_text())["rows"]) == ["packing"]

@@ -1,10 +1,11 @@
-"""Row 7 (benchmarks/trl_sft.py) without training: the identical-tokens checks on real collators, the step
+"""Row 7 (benchmarks/peers/trl_sft.py) without training: the identical-tokens checks on real collators, the step
 window, the loss verdict, the recipe mapping and the report. (No timing here: the row itself measures.)"""
 import copy
 
-from benchmarks import report, trl_compare, trl_sft
 from benchmarks.common import TINY_RECIPE
-from benchmarks.trl_arms import rate_between
+from benchmarks.cpu import report
+from benchmarks.peers import trl_compare, trl_sft
+from benchmarks.peers.trl_arms import rate_between
 from finetune import recipe as recipe_mod
 
 ROWS = [{"input_ids": [1, 5, 6, 7, 2], "labels": [-100, -100, 6, 7, 2]},

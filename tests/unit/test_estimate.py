@@ -162,7 +162,7 @@ def test_parse_size(text, value):
 
 def test_cli_json_last_line_for_70b_without_torch():
     # What makes `estimate` quick is that it imports no torch or transformers; its time is a benchmark's
-    # business (benchmarks/startup.py), not a unit test's.
+    # business (benchmarks/cpu/startup.py), not a unit test's.
     code = ("import sys, time; t = time.time(); from finetune import cli; "
             "rc = cli.main(['estimate', '--model', 'meta-llama/Llama-3.1-70B', '--gpus', '2', '--offload', "
             "'--gpu-memory', '24GiB', '--json']); "

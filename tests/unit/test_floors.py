@@ -1,7 +1,7 @@
-"""Every dependency floor in pyproject is a version the code has run on (benchmarks/floors.py)."""
+"""Every dependency floor in pyproject is a version the code has run on (benchmarks/gpu/floors.py)."""
 from packaging.version import Version
 
-from benchmarks import floors
+from benchmarks.gpu import floors
 
 
 def test_every_floor_is_a_pinned_or_recorded_version():

@@ -1,5 +1,5 @@
 """prepare() at scale: what preparing holds per row (the bound behind `finetune data` on millions of rows,
-benchmarks/prepare_rss.py), and the examples read back from the memory-mapped cache as the lists were."""
+benchmarks/cpu/prepare_rss.py), and the examples read back from the memory-mapped cache as the lists were."""
 import json
 import random
 
@@ -32,7 +32,7 @@ def rows_file(tmp_path):
 def test_prepared_rows_hold_no_python_containers(rows_file, tmp_path, tok):
     """The Python containers (lists, dicts) a Prepared keeps alive, per row: token ids as Python lists cost
     ~36 bytes a token, ids and labels, in a list and a dict per example (2.7 GiB of RSS for 200,000 rows
-    before; benchmarks/prepare_rss.py). Counted by the garbage collector, which tracks every container."""
+    before; benchmarks/cpu/prepare_rss.py). Counted by the garbage collector, which tracks every container."""
     import gc
 
     small = tmp_path / "small.jsonl"

@@ -1,6 +1,6 @@
-"""The stages of the GPU proof (benchmarks/gpu_proof.py runs each in its own process, under a time cap).
+"""The stages of the GPU proof (benchmarks/gpu/proof.py runs each in its own process, under a time cap).
 
-    python -m benchmarks.gpu_stages STAGE --work DIR [--dry-run]
+    python -m benchmarks.gpu.stages STAGE --work DIR [--dry-run]
 
 Each stage prints its result as the last line of its output, one JSON object. On a GPU the stages use the
 real shapes (a full-depth synthetic Llama 3.1 8B, a 70B-width model of few layers, micro-batch 2 x 2048); with
@@ -18,111 +18,10 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import ROOT, child_env, last_json_line, read_jsonl, steady_rate
-
-GIB = 2**30
-
-
-# ----------------------------------------------------------------------------------------------- shapes
-
-def shapes(dry: bool) -> dict:
-    """Model names, sequence length and step counts: the real ones on a GPU, tiny ones for the dry run."""
-    if dry:
-        # a small vocabulary too: on 2 CPU cores the 128k-row head would take most of the dry run's time
-        small = "layers=2&hidden=256&intermediate=512&heads=4&kv_heads=2&vocab=2048"
-        return {"m8": f"synthetic:meta-llama/Llama-3.1-8B-Instruct?{small}",
-                "m8_short": f"synthetic:meta-llama/Llama-3.1-8B-Instruct?{small}&seed=1",
-                "m70": "synthetic:meta-llama/Llama-3.1-70B-Instruct?layers=2&hidden=512&intermediate=1024&heads=8"
-                       "&kv_heads=2&vocab=2048",
-                "seq": 64, "warmup": 2, "steps": 4, "device": "cpu"}
-    return {"m8": "synthetic:meta-llama/Llama-3.1-8B-Instruct?device=cuda",
-            # FSDP and fp16 runs need the path, not the depth: the 8B's widths and vocabulary, 4 layers
-            "m8_short": "synthetic:meta-llama/Llama-3.1-8B-Instruct?layers=4&device=cuda",
-            "m70": "synthetic:meta-llama/Llama-3.1-70B-Instruct?layers=2&device=cuda",
-            "seq": 2048, "warmup": 4, "steps": 8, "device": "cuda"}
-
-
-def recipe(model: str, seq: int, steps: int, out: Path, held_out: bool = True, **sections) -> dict:
-    """The 8B recipe's settings (recipes/llama3_8b_qlora.yaml) on synthetic tokens of exactly `seq` ids;
-    without `held_out`, no eval rows at all (a run whose phases are load, wrap, steps, save, export)."""
-    import yaml
-
-    rec = yaml.safe_load((ROOT / "recipes" / "llama3_8b_qlora.yaml").read_text())
-    rec["model"]["name"] = model
-    rows = 2 * steps + 8
-    rec["data"] = {"sources": [{"path": f"synthetic:tokens?rows={rows}&min_len={seq}&max_len={seq}"}],
-                   "eval_sources": [{"path": f"synthetic:tokens?rows=4&min_len={seq}&max_len={seq}",
-                                     "split": "eval"}] if held_out else [],
-                   "max_seq_len": seq}
-    if not held_out:
-        rec["data"]["eval_split"] = 0
-    rec["train"].update({"gradient_accumulation_steps": 1, "max_steps": steps, "warmup_steps": 1,
-                         "log_every": 1, "save_every": None, "eval_every": None, "epochs": 1})
-    rec["output"] = {"dir": str(out), "progress_bar": False}
-    for key, value in sections.items():
-        rec.setdefault(key, {}).update(value)
-    return rec
-
-
-def write_recipe(rec: dict, path: Path) -> Path:
-    import yaml
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(rec, sort_keys=False))
-    return path
-
-
-def sh(cmd: list[str], timeout: float = 900, log: Path | None = None, env_extra: dict | None = None
-       ) -> subprocess.CompletedProcess:
-    """Run a command of finetune's from the checkout; its output goes to `log` (appended) too."""
-    env = {**child_env(), **(env_extra or {})}
-    env.pop("PYTHONWARNINGS", None)  # the proof wants to see what a user sees
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
-    if log is not None:
-        with log.open("a") as f:
-            f.write(f"$ {' '.join(cmd)}  ({time.perf_counter() - t0:.1f} s, exit {p.returncode})\n")
-            f.write(p.stdout[-20000:] + p.stderr[-20000:] + "\n")
-    return p
-
-
-def must(p: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProcess:
-    if p.returncode != 0:
-        tail = "\n".join((p.stdout + p.stderr).strip().splitlines()[-25:])
-        raise RuntimeError(f"{what} failed (exit {p.returncode}):\n{tail}")
-    return p
-
-
-def finetune(*args: str) -> list[str]:
-    return [sys.executable, "-m", "finetune", *args]
-
-
-def torchrun(*args: str) -> list[str]:
-    # --standalone: a free port of its own, so stages (or two proofs on one machine) never collide
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-            "-m", "finetune", *args]
-
-
-def estimate(rec_path: Path, log: Path) -> dict:
-    p = must(sh(finetune("estimate", str(rec_path), "--json"), log=log), "finetune estimate")
-    return last_json_line(p.stdout)
-
-
-def phase_peaks(run_dir: Path) -> dict:
-    """memory.json's figures per phase, the largest rank's, in GiB."""
-    mem = json.loads((run_dir / "memory.json").read_text())
-    out = {}
-    for rank in mem["ranks"]:
-        for name, ph in rank["phases"].items():
-            keys = ("peak_allocated", "peak_reserved") if mem["kind"] == "cuda" else ("peak_rss",)
-            cur = out.setdefault(name, {})
-            for k in keys:
-                cur[k + "_gib"] = max(cur.get(k + "_gib", 0.0), (ph.get(k) or 0) / GIB)
-    return {"kind": mem["kind"], "phases": out}
-
-
-def err(measured: float, planned: float) -> float:
-    return round(100 * (measured - planned) / planned, 1) if planned else float("nan")
+from benchmarks.common import ROOT, child_env, last_json_line, read_jsonl
+from benchmarks.gpu import methods
+from benchmarks.gpu.harness import (GIB, built, estimate, finetune, must, phase_peaks, plan_errors, plan_figures,
+                                    read_env, recipe, sh, shapes, torchrun, train_and_read, write_recipe)
 
 
 # ----------------------------------------------------------------------------------------------- stages
@@ -143,7 +42,7 @@ def stage_env(work: Path, sh_: dict) -> dict:
             out[pkg] = None
     from packaging.version import Version
 
-    from benchmarks.floors import check_floors
+    from benchmarks.gpu.floors import check_floors
 
     out["floors"] = check_floors()
     out["transformers_ok"] = Version(out["transformers"] or "0") >= Version("5.23")
@@ -218,47 +117,22 @@ def stage_models(work: Path, sh_: dict) -> dict:
     return out
 
 
-def built(model: str, log: Path) -> None:
-    """A synthetic model is built in a process of its own before a run uses it: drawn inside the run, its
-    weights' blocks would stay in the run's allocator and its load phase's figures."""
-    from finetune.util import synthetic_names
-
-    if synthetic_names.is_synthetic(model) and not (synthetic_names.cache_dir(model) / ".complete").exists():
-        must(sh([sys.executable, "-c", f"from finetune.weights.built.synthetic import synthetic_dir; synthetic_dir({model!r})"],
-                log=log), f"building {model}")
-
-
-def _train_and_read(rec: dict, work: Path, name: str, sh_: dict, launcher=finetune) -> dict:
-    run = work / name
-    path = write_recipe(rec, work / f"{name}.yaml")
-    log = work / "commands.log"
-    built(rec["model"]["name"], log)
-    t0 = time.perf_counter()
-    must(sh(launcher(str(path)), log=log), f"training {name}")
-    records = read_jsonl(run / "metrics.jsonl")
-    rate = steady_rate(records, after_step=sh_["warmup"])
-    return {"run": str(run), "recipe": str(path), "seconds": round(time.perf_counter() - t0, 1),
-            "trained_tokens_per_s": round(rate["tokens_per_s"], 1), "s_per_step": round(rate["s_per_step"], 3),
-            "timed_steps": rate["steps"], "first_loss": records[0].get("loss"),
-            "last_loss": [r for r in records if "loss" in r][-1]["loss"], "memory": phase_peaks(run)}
-
-
 def stage_single(work: Path, sh_: dict) -> dict:
     """The 8B recipe at 2 x seq, one process: tokens/s, MFU, memory per phase beside the planner's."""
     from benchmarks import flops as F
-    from benchmarks.gpu import peak_tflops
+    from benchmarks.gpu.measure import peak_tflops
     from finetune.plan.archs import resolve
 
     steps = sh_["warmup"] + sh_["steps"]
     rec = recipe(sh_["m8"], sh_["seq"], steps, work / "single", held_out=False)  # no eval in the timed run
-    res = _train_and_read(rec, work, "single", sh_)
+    res = train_and_read(rec, work, "single", sh_)
     plan = estimate(work / "single.yaml", work / "commands.log")
     arch, _ = resolve(sh_["m8"])
     seq = sh_["seq"]
     flops = F.lora_step_flops(arch, 16, seq, checkpointing=False)["model"]
     # Every token of a synthetic row is trained and no row is padded: processed tokens = trained tokens.
     res["all_tokens_per_s"] = res["trained_tokens_per_s"]
-    env = _read_env(work)
+    env = read_env(work)
     measured_peak = env.get("matmul_bf16_tflops")
     sheet = peak_tflops(env.get("gpu", "")) if env.get("gpu") else None
     res["mfu_vs_measured_matmul"] = (F.mfu(res["trained_tokens_per_s"], flops, measured_peak * 1e12)
@@ -266,38 +140,8 @@ def stage_single(work: Path, sh_: dict) -> dict:
     res["mfu_vs_datasheet"] = F.mfu(res["trained_tokens_per_s"], flops, sheet * 1e12) if sheet else None
     res["flops_per_token"] = flops
     res["plan"] = plan_figures(plan)
-    res["errors_pct"] = _plan_errors(res["memory"], res["plan"])
+    res["errors_pct"] = plan_errors(res["memory"], res["plan"])
     return res
-
-
-def plan_figures(plan: dict) -> dict:
-    """`finetune estimate --json`'s GPU figures in GiB; the loading one without the CUDA context and NCCL
-    buffers, which torch's counters do not see (the plan adds them to what torch reserves)."""
-    outside = sum(plan["overhead"].get(k, 0) for k in ("cuda_context", "nccl"))
-    return {"allocated_gib": plan["gpu_bytes_allocated"] / GIB, "reserved_gib": plan["gpu_bytes_reserved"] / GIB,
-            "loading_gib": (plan["gpu_bytes_loading"] - outside) / GIB, "total_gib": plan["gpu_bytes_per_device"] / GIB,
-            "cpu_loading_gib": plan["cpu_bytes"]["loading"] / GIB}
-
-
-def _plan_errors(memory: dict, plan: dict) -> dict:
-    ph = memory["phases"]
-    if memory["kind"] != "cuda":
-        return {}
-    out = {}
-    if "steps" in ph:
-        out["steps_allocated"] = err(ph["steps"]["peak_allocated_gib"], plan["allocated_gib"])
-        out["steps_reserved"] = err(ph["steps"]["peak_reserved_gib"], plan["reserved_gib"])
-    if "load" in ph:
-        # Under FSDP the load leaves placeholders and the shards are filled in the wrap: the planner's load
-        # phase is both together.
-        loaded = max(ph[k]["peak_reserved_gib"] for k in ("load", "wrap") if k in ph)
-        out["load_reserved_vs_loading_plan"] = err(loaded, plan["loading_gib"])
-    return out
-
-
-def _read_env(work: Path) -> dict:
-    f = work / "stage_env.json"
-    return json.loads(f.read_text()) if f.exists() else {}
 
 
 def stage_fsdp(work: Path, sh_: dict, version: int) -> dict:
@@ -311,11 +155,11 @@ def stage_fsdp(work: Path, sh_: dict, version: int) -> dict:
     if version == 1:  # FSDP1 flattens one dtype per unit: fp32 storage keeps the adapters fp32 (lora.dtype)
         rec["model"]["dtype"] = "float32"
     res = {}
-    first = _train_and_read(rec, work, name, {**sh_, "warmup": 1}, launcher=torchrun)
+    first = train_and_read(rec, work, name, {**sh_, "warmup": 1}, launcher=torchrun)
     res["train"] = {k: first[k] for k in ("seconds", "trained_tokens_per_s", "first_loss", "last_loss", "memory")}
     log = work / "commands.log"
     res["plan"] = plan_figures(estimate(work / f"{name}.yaml", log))
-    res["errors_pct"] = _plan_errors(first["memory"], res["plan"])
+    res["errors_pct"] = plan_errors(first["memory"], res["plan"])
     # Resume: two more steps from the step-4 checkpoint; the run must say so and not re-run steps 1-4.
     rec["train"]["max_steps"] = steps + 2
     path = write_recipe(rec, work / f"{name}.yaml")
@@ -333,7 +177,7 @@ def stage_fsdp(work: Path, sh_: dict, version: int) -> dict:
     res["attention_line"] = [ln for ln in text.splitlines() if "attention" in ln.lower()][:2]
     if version == 2:
         check = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                 "-m", "benchmarks.bytecheck", str(work / f"{name}.yaml")]
+                 "-m", "benchmarks.gpu.bytecheck", str(work / f"{name}.yaml")]
         p = must(sh(check, log=log), "bytecheck")
         res["bytecheck"] = last_json_line(p.stdout)
     return res
@@ -347,17 +191,17 @@ def stage_load70b(work: Path, sh_: dict) -> dict:
     synthetic_dir(sh_["m70"])  # built first, in this process: the run's load phase then holds the load alone
     built = round(time.perf_counter() - t0, 1)
     rec = recipe(sh_["m70"], min(sh_["seq"], 512), 2, work / "load70b", held_out=False)
-    res = _train_and_read(rec, work, "load70b", {**sh_, "warmup": 1})
+    res = train_and_read(rec, work, "load70b", {**sh_, "warmup": 1})
     res["build_seconds"] = built
     plan = estimate(work / "load70b.yaml", work / "commands.log")
     res["plan"] = plan_figures(plan)
-    res["errors_pct"] = _plan_errors(res["memory"], res["plan"])
+    res["errors_pct"] = plan_errors(res["memory"], res["plan"])
     return res
 
 
 def stage_trl(work: Path, sh_: dict) -> dict:
     """TRL's SFTTrainer (peft + bitsandbytes) on the same 8B model, rows, batch, LoRA, optimizer and bf16."""
-    p = must(sh([sys.executable, "-m", "benchmarks.gpu_trl", json.dumps({**sh_, "work": str(work)})],
+    p = must(sh([sys.executable, "-m", "benchmarks.peers.trl_gpu", json.dumps({**sh_, "work": str(work)})],
                 log=work / "commands.log"), "TRL arm")
     trl = last_json_line(p.stdout)
     single = work / "stage_single.json"
@@ -418,15 +262,15 @@ def stage_fsdp2_trace(work: Path, sh_: dict) -> dict:
 
 
 def stage_syncs(work: Path, sh_: dict) -> dict:
-    """Host synchronisations per optimizer step (benchmarks/syncs.py) at 4 micro-batches a step: one
+    """Host synchronisations per optimizer step (benchmarks/gpu/syncs.py) at 4 micro-batches a step: one
     process, and FSDP2 at world size 1 through torchrun. The loop's contract: at most one per step."""
     out = {}
     seq = min(sh_["seq"], 512)
     for name, sections, launch in (
-            ("syncs_single", {}, [sys.executable, "-m", "benchmarks.syncs"]),
+            ("syncs_single", {}, [sys.executable, "-m", "benchmarks.gpu.syncs"]),
             ("syncs_fsdp2", {"distributed": {"strategy": "fsdp", "num_processes": 1}, "fsdp": {"version": 2}},
              [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-              "-m", "benchmarks.syncs"])):
+              "-m", "benchmarks.gpu.syncs"])):
         rec = recipe(sh_["m8_short"], seq, 4, work / name, held_out=False, **sections)
         rec["train"]["gradient_accumulation_steps"] = 4
         rec["data"]["sources"] = [{"path": f"synthetic:tokens?rows=40&min_len={seq}&max_len={seq}"}]
@@ -441,7 +285,7 @@ def stage_syncs(work: Path, sh_: dict) -> dict:
     rec["train"]["gradient_accumulation_steps"] = 4
     rec["data"]["sources"] = [{"path": f"synthetic:tokens?rows=40&min_len={seq}&max_len={seq}"}]
     path = write_recipe(rec, work / "syncs_probe.yaml")
-    must(sh([sys.executable, "-m", "benchmarks.syncs", str(path), str(res_file), "--probe-backward"],
+    must(sh([sys.executable, "-m", "benchmarks.gpu.syncs", str(path), str(res_file), "--probe-backward"],
             log=work / "commands.log"), "syncs probe")
     out["probe"] = json.loads(res_file.read_text()).get("backward_probe")
     return out
@@ -450,14 +294,11 @@ def stage_syncs(work: Path, sh_: dict) -> dict:
 STAGES = {"env": stage_env, "models": stage_models, "single": stage_single,
           "fsdp2": lambda w, s: stage_fsdp(w, s, 2), "fsdp1": lambda w, s: stage_fsdp(w, s, 1),
           "load70b": stage_load70b, "trl": stage_trl, "fp16": stage_fp16, "fsdp2_trace": stage_fsdp2_trace,
-          "syncs": stage_syncs}
+          "syncs": stage_syncs, **methods.STAGES}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from benchmarks.gpu_methods import STAGES as methods  # it imports this module's helpers
-
-    STAGES.update(methods)
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu_stages")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.stages")
     ap.add_argument("stage", choices=list(STAGES))
     ap.add_argument("--work", type=Path, required=True)
     ap.add_argument("--dry-run", action="store_true")

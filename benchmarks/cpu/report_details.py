@@ -1,7 +1,15 @@
-"""The per-row sections of RESULTS.md: what was measured, how, and every sample behind each median."""
+"""RESULTS.md itself: the header and summary (report.py), then one section per row: what was measured, how,
+when, and every sample behind each median."""
 from __future__ import annotations
 
-from benchmarks.report import _f, status
+from benchmarks.cpu import report
+from benchmarks.cpu.report import _f, status
+
+
+def markdown(results: dict) -> str:
+    parts = [report.header(results), "## Summary", "", report.summary_table(results), ""]
+    parts += sections(results["rows"])
+    return "\n".join(parts).rstrip() + "\n"
 
 
 def _samples(xs, digits=4) -> str:
@@ -10,15 +18,16 @@ def _samples(xs, digits=4) -> str:
 
 def _guard(rows: dict, name: str, title: str, body) -> list[str]:
     st = status(rows.get(name))
+    when = [f"Measured at {report.stamp(rows, name)}.", ""] if (rows.get(name) or {}).get("measured") else []
     if st == "ok":
         try:
-            return [title, "", *body(rows[name]), ""]
+            return [title, "", *when, *body(rows[name]), ""]
         except (KeyError, TypeError, ValueError) as e:  # a row whose result lacks a figure: say so, keep going
             return [title, "", f"Ran, but its result could not be shown ({type(e).__name__}: {e}).", ""]
     row = rows.get(name) or {}
     why = {"error": f"Failed: {row.get('error')}", "not available": f"Not available: {row.get('reason')}",
            "not run": "Not run this time (`--rows`)."}[st]
-    text = [title, "", why]
+    text = [title, "", *when, why]
     if row.get("stderr"):
         text += ["", "```", row["stderr"], "```"]
     return text + [""]
@@ -35,7 +44,7 @@ def throughput(r: dict) -> list[str]:
     return [
         f"finetune's loop (`finetune.train.loop.train` on recipes/tiny_cpu.yaml, throughput read from its "
         f"metrics.jsonl) against a plain transformers + peft + accelerate + bitsandbytes loop "
-        f"(benchmarks/baseline.py) with the same 4-bit model, LoRA, tokenized data and order, micro-batch, "
+        f"(benchmarks/cpu/baseline.py) with the same 4-bit model, LoRA, tokenized data and order, micro-batch, "
         f"optimizer and {_precision(r)}. {r['reps']} fresh runs each, alternating; per run {r['warmup_steps']} "
         f"warm-up steps, then {r['timed_steps']} timed optimizer steps; {r.get('threads')} torch thread(s).",
         "",
@@ -62,21 +71,21 @@ def throughput(r: dict) -> list[str]:
 
 def packing(r: dict) -> list[str]:
     keys = [k for k in r if k not in ("seconds",)]
-    return ["From benchmarks/packing.py (real QLoRA steps on the tiny model, length-skewed examples).", "",
+    return ["From benchmarks/cpu/packing.py (real QLoRA steps on the tiny model, length-skewed examples).", "",
             "| figure | value |", "|---|---|", *[f"| {k} | {_f(r[k], 4)} |" for k in keys]]
 
 
 def merge_rss(r: dict) -> list[str]:
-    from benchmarks.merge_rss import table
+    from benchmarks.cpu.merge_rss import table
 
     return ["Each merge in a fresh interpreter, which reports its own peak RSS (VmHWM). Growth is the extra "
-            "peak RSS over the extra model bytes between the two sizes (benchmarks/merge_rss.py).", "",
+            "peak RSS over the extra model bytes between the two sizes (benchmarks/cpu/merge_rss.py).", "",
             table(r)]
 
 
 def estimate_error(r: dict) -> list[str]:
     lines = ["`finetune estimate`'s plan against bytes measured on the tiny NF4 + LoRA model "
-             "(benchmarks/memcheck.py).", "", "| quantity | planned bytes | measured bytes | error |", "|---|---|---|---|"]
+             "(benchmarks/cpu/memcheck.py).", "", "| quantity | planned bytes | measured bytes | error |", "|---|---|---|---|"]
     lines += [f"| {x['what']} | {x['planned']:,} | {x['measured']:,} | {100 * x['error']:.2f}% |" for x in r["rows"]]
     return lines
 
@@ -140,7 +149,7 @@ def startup(r: dict) -> list[str]:
 
 
 def trl_sft(r: dict) -> list[str]:
-    from benchmarks.trl_compare import section
+    from benchmarks.peers.trl_compare import section
 
     return section(r)
 
@@ -151,7 +160,7 @@ def loss_memory(r: dict) -> list[str]:
     return [f"Peak bytes of the loss path (output head + cross-entropy, forward and backward) at {r['tokens']} "
             f"trained tokens with a {r['vocab']:,}-token vocabulary, precision `{r['precision']}`, on CPU: "
             "finetune's chunked loss (train.loss) against full logits, each in a fresh process, measured as "
-            "the growth of its peak resident set (benchmarks/loss_memory.py), beside the planner's figure "
+            "the growth of its peak resident set (benchmarks/cpu/loss_memory.py), beside the planner's figure "
             "(finetune/plan/logits.py).", "",
             "| loss | measured | planned | plan error |", "|---|---|---|---|",
             f"| chunked | {_f(c['measured_bytes'] / mib, 4)} MiB | {_f(c['planned_bytes'] / mib, 4)} MiB | "
@@ -162,27 +171,27 @@ def loss_memory(r: dict) -> list[str]:
 
 
 def load_rss(r: dict) -> list[str]:
-    from benchmarks.load_rss import table
+    from benchmarks.cpu.load_rss import table
 
     return ["Fresh processes (torchrun for 2, gloo) load the synthetic model through the streaming loader, "
-            "attach LoRA and `prepare` (benchmarks/load_rss.py); each reports its peak RSS (VmHWM) over its "
+            "attach LoRA and `prepare` (benchmarks/cpu/load_rss.py); each reports its peak RSS (VmHWM) over its "
             "RSS after importing every library. `planned` is the planner's load phase for the reader.", "",
             table(r)]
 
 
 def phase_rss(r: dict) -> list[str]:
-    from benchmarks.phase_rss import table
+    from benchmarks.cpu.phase_rss import table
 
-    return ["A whole run per phase (benchmarks/phase_rss.py): the shipped CPU recipes on a synthetic bf16 Llama "
+    return ["A whole run per phase (benchmarks/cpu/phase_rss.py): the shipped CPU recipes on a synthetic bf16 Llama "
             "(2 steps, micro-batch 2, the end-of-run eval), one process against 2 FSDP ranks over gloo; growth is "
             "each phase's peak RSS over the RSS when the run began (memory.json), plan is the planner's CPU RAM "
             "per process for the phases it plans.", "", table(r)]
 
 
 def prepare_rss(r: dict) -> list[str]:
-    from benchmarks.prepare_rss import table
+    from benchmarks.cpu.prepare_rss import table
 
-    return ["`finetune data` on N tiny alpaca-like rows (benchmarks/prepare_rss.py, `--rows N` to run it alone), in "
+    return ["`finetune data` on N tiny alpaca-like rows (benchmarks/cpu/prepare_rss.py, `--rows N` to run it alone), in "
             "a fresh process on a cold cache, then again on the warm cache; peak RSS is the process's VmHWM. "
             "The bound held by docs/robustness.md: 2,000,000 rows under 1.5 GiB.", "", table(r)]
 

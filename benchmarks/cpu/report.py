@@ -1,4 +1,6 @@
-"""Goals, the one-line JSON summary and benchmarks/RESULTS.md, from the rows' result dicts (pure formatting)."""
+"""Goals, the one-line JSON summary and RESULTS.md's header and summary table, from the rows' result dicts (pure
+formatting). The per-row sections and the page itself: report_details.py, which imports this module (never the
+reverse)."""
 from __future__ import annotations
 
 import operator
@@ -87,40 +89,52 @@ def summary_table(results: dict) -> str:
     mark = {True: "met", False: "NOT met", None: "-"}
 
     def goal_line(n, key, label, extra):
-        v = g[key]
-        cell = _row_cell(rows, GOALS[key][0], lambda: f"**{_f(v['value'])}** {extra()}")
-        return f"| {n} | {label} (`{key}`) | {cell} | {v['goal']} | {mark[v['met']]} |"
+        v, row = g[key], GOALS[key][0]
+        cell = _row_cell(rows, row, lambda: f"**{_f(v['value'])}** {extra()}")
+        return f"| {n} | {label} (`{key}`) | {cell} | {v['goal']} | {mark[v['met']]} | {stamp(rows, row)} |"
 
-    t, p, m, c, s, lm = (rows.get(k, {}) for k in ("throughput", "packing", "merge_rss", "checkpointing", "startup",
-                                                    "loss_memory"))
-    lines = ["| # | measure | result | goal | |", "|---|---|---|---|---|",
-             goal_line(1, "throughput_ratio", "finetune loop / plain loop, trained tokens/s",
-                       lambda: f"({_f(t.get('finetune_tokens_per_s'), 4)} vs {_f(t.get('plain_tokens_per_s'), 4)})"),
-             goal_line(2, "packing_speedup", "packed / unpacked, trained tokens/s",
-                       lambda: f"(padding {_f(p.get('padding_fraction_packed'), 2)} packed, "
-                               f"{_f(p.get('padding_fraction_unpacked'), 2)} unpacked)"),
-             goal_line(3, "merge_rss_growth", "peak RSS per extra model byte, `finetune merge`",
-                       lambda: f"(peft merge_and_unload: {_f(m.get('peft_rss_growth'))})"),
-             goal_line(4, "estimate_error", "worst relative error of the planner, tiny model", lambda: ""),
-             "| 5 | checkpointing on / off, step time | "
-             + _row_cell(rows, "checkpointing", lambda: f"**{_f(c['step_time_ratio'])}x** "
-                         f"({_f(c['s_per_step']['on'])} s vs {_f(c['s_per_step']['off'])} s)") + " | - | |",
-             "| 5 | FLOPs per token, counted / rule | "
-             + _row_cell(rows, "checkpointing", lambda: f"off: {_f(c['flops']['off']['vs_rule'])} x 4N; "
-                         f"on: {_f(c['flops']['on']['vs_rule'])} x 6N") + " | - | |",
-             "| 6 | time to first step, tiny recipe | "
-             + _row_cell(rows, "startup", lambda: f"**{_f(s['first_step_s'])} s**") + " | - | |",
-             "| 6 | `validate` of the 70B recipe | "
-             + _row_cell(rows, "startup", lambda: f"**{_f(s['validate_70b_s'])} s**") + " | - | |",
-             "| 7 | finetune / TRL SFTTrainer: tokens/s, peak RSS; held-out loss not worse | "
-             + _row_cell(rows, "trl_sft", lambda: trl_cell(rows["trl_sft"])) + " | >= 1.1, <= 1.0, yes | |",
-             "| 8 | loss path peak bytes, full logits / chunked (128k vocab, 4096 tokens) | "
-             + _row_cell(rows, "loss_memory", lambda: f"**{_f(lm['loss_memory_ratio'])}x** (chunked planned "
-                         f"within {_f(100 * abs(lm['chunked']['plan_error']), 2)}%)") + " | - | |",
-             "| 9 | loading, peak RSS growth per process: 2 FSDP / 1 process; 1 process / model bytes | "
-             + _row_cell(rows, "load_rss", lambda: f"**{_f(rows['load_rss']['ratio_2_over_1'])}**; "
-                         f"**{_f(rows['load_rss']['single_growth_over_model'])}**") + " | <= 0.6; <= 1.5 | |"]
-    return "\n".join(lines)
+    def line(n, label, row, text, goal="-"):
+        return f"| {n} | {label} | {_row_cell(rows, row, text)} | {goal} | | {stamp(rows, row)} |"
+
+    t, p, m, c, s, lm, ld, ph, pr = (rows.get(k, {}) for k in ("throughput", "packing", "merge_rss", "checkpointing",
+                                                              "startup", "loss_memory", "load_rss", "phase_rss",
+                                                              "prepare_rss"))
+    return "\n".join([
+        "| # | measure | result | goal | | measured |", "|---|---|---|---|---|---|",
+        goal_line(1, "throughput_ratio", "finetune loop / plain loop, trained tokens/s",
+                  lambda: f"({_f(t.get('finetune_tokens_per_s'), 4)} vs {_f(t.get('plain_tokens_per_s'), 4)})"),
+        goal_line(2, "packing_speedup", "packed / unpacked, trained tokens/s",
+                  lambda: f"(padding {_f(p.get('padding_fraction_packed'), 2)} packed, "
+                          f"{_f(p.get('padding_fraction_unpacked'), 2)} unpacked)"),
+        goal_line(3, "merge_rss_growth", "peak RSS per extra model byte, `finetune merge`",
+                  lambda: f"(peft merge_and_unload: {_f(m.get('peft_rss_growth'))})"),
+        goal_line(4, "estimate_error", "worst relative error of the planner, tiny model", lambda: ""),
+        line(5, "checkpointing on / off, step time", "checkpointing",
+             lambda: f"**{_f(c['step_time_ratio'])}x** ({_f(c['s_per_step']['on'])} s vs {_f(c['s_per_step']['off'])} s)"),
+        line(5, "FLOPs per token, counted / rule", "checkpointing",
+             lambda: f"off: {_f(c['flops']['off']['vs_rule'])} x 4N; on: {_f(c['flops']['on']['vs_rule'])} x 6N"),
+        line(6, "time to first step, tiny recipe", "startup", lambda: f"**{_f(s['first_step_s'])} s**"),
+        line(6, "`validate` of the 70B recipe", "startup", lambda: f"**{_f(s['validate_70b_s'])} s**"),
+        line(7, "finetune / TRL SFTTrainer: tokens/s, peak RSS; held-out loss not worse", "trl_sft",
+             lambda: trl_cell(rows["trl_sft"]), ">= 1.1, <= 1.0, yes"),
+        line(8, "loss path peak bytes, full logits / chunked (128k vocab, 4096 tokens)", "loss_memory",
+             lambda: f"**{_f(lm['loss_memory_ratio'])}x** (chunked planned within "
+                     f"{_f(100 * abs(lm['chunked']['plan_error']), 2)}%)"),
+        line(9, "loading, peak RSS growth per process: 2 FSDP / 1 process; 1 process / model bytes", "load_rss",
+             lambda: f"**{_f(ld['ratio_2_over_1'])}**; **{_f(ld['single_growth_over_model'])}**", "<= 0.6; <= 1.5"),
+        line(10, "whole run, 2 FSDP2 ranks: what a rank saves over one process, in packed 4-bit bytes", "phase_rss",
+             lambda: f"**{_f(ph['fsdp2_saving_over_packed'])}x**", ">= 0.4"),
+        line(11, "`finetune data`, peak RSS on a cold cache", "prepare_rss",
+             lambda: f"**{_f(pr['peak_rss_gib'])} GiB** for {pr['rows_written']:,} rows")])
+
+
+def stamp(rows: dict, name: str) -> str:
+    """The commit and date a row was measured at (and 'quick' for a --quick run): rows are kept across runs of
+    some rows, so each one says how old it is."""
+    m = (rows.get(name) or {}).get("measured")
+    if not m:
+        return "-"
+    return f"`{m['commit']}` {str(m['date'])[:10]}" + (" (quick)" if m.get("quick") else "")
 
 
 def trl_cell(r: dict) -> str:
@@ -132,8 +146,12 @@ def header(results: dict) -> str:
     meta = results["meta"]
     m, v = meta["machine"], meta["versions"]
     lines = ["# Benchmarks", "",
-             f"`{meta['command']}` on {meta['date']}, commit `{meta['commit']}`, {_f(meta.get('seconds'), 4)} s "
-             "in all. Every figure below comes from this one run.", ""]
+             f"Last command: `{meta['command']}` on {meta['date']}, commit `{meta['commit']}`, "
+             f"{_f(meta.get('seconds'), 4)} s in all; it measured {', '.join(meta.get('rows_run') or []) or 'no row'}. "
+             "Every row says the commit and date it was measured at (the summary's `measured` column, and under "
+             "each section's title); a row the last command did not run keeps its earlier figures and stamp. "
+             "Regenerate: `python -m benchmarks` (all rows, about an hour on 2 cores) or `--rows a,b`. The raw "
+             "results are in RESULTS.json beside this file.", ""]
     if meta.get("partial"):
         lines += [f"> **Partial**: {meta['partial']}; the run was stopped or is still going, so rows marked "
                   "'not run' have no figures yet.", ""]
@@ -148,11 +166,3 @@ def header(results: dict) -> str:
               f"| OS | {m.get('os')} |", f"| torch threads | {meta.get('threads') or 'default'} |",
               "| versions | " + ", ".join(f"{k} {val}" for k, val in v.items()) + " |", ""]
     return "\n".join(lines)
-
-
-def markdown(results: dict) -> str:
-    from benchmarks import report_details as details
-
-    parts = [header(results), "## Summary", "", summary_table(results), ""]
-    parts += details.sections(results["rows"])
-    return "\n".join(parts).rstrip() + "\n"

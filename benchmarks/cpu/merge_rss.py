@@ -6,7 +6,7 @@ reports its own peak RSS (VmHWM from /proc/self/status). Growth = extra peak RSS
 merge should stay well under 0.25 (it holds about one input and one output shard, whatever the model),
 while loading the whole model to merge it grows by about 1.
 
-    python -m benchmarks.merge_rss          # prints the table; run() returns the figures
+    python -m benchmarks.cpu.merge_rss          # prints the table; run() returns the figures
 """
 from __future__ import annotations
 
@@ -118,9 +118,9 @@ def peak_rss() -> int:
 
 def _measure(tool: str, adapter: Path, out: Path) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1"}
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.merge_rss", "--child", tool, str(adapter), str(out)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cpu.merge_rss", "--child", tool, str(adapter), str(out)],
                           capture_output=True, text=True, env=env, cwd=root, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"{tool} merge failed:\n{proc.stderr[-2000:]}")

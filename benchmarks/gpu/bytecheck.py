@@ -1,6 +1,6 @@
 """Are the packed 4-bit bytes still the loaded bytes after the FSDP2 wrap? (bitsandbytes issue 1945)
 
-    torchrun --nproc_per_node N -m benchmarks.bytecheck RECIPE
+    torchrun --nproc_per_node N -m benchmarks.gpu.bytecheck RECIPE
 
 Under FSDP2 the packed NF4 bytes are stored in the recipe's quant storage dtype (bf16 by default), so to torch
 they are bf16 numbers, and about 0.1% of the byte pairs of a random weight read as bf16 NaNs. An operation that

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 
 from benchmarks.common import TINY_RECIPE, fork_context, in_fresh_process, interleaved, median
-from benchmarks.throughput import finetune_run, round_steps
+from benchmarks.cpu.throughput import finetune_run, round_steps
 
 
 def _register_bnb_formula():

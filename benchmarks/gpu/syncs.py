@@ -1,6 +1,6 @@
 """Count a training run's host synchronisations on a GPU, by the line of finetune that caused each.
 
-    python -m benchmarks.syncs RECIPE OUT.json [--probe-backward]   (under torchrun: one OUT per rank)
+    python -m benchmarks.gpu.syncs RECIPE OUT.json [--probe-backward]   (under torchrun: one OUT per rank)
 
 The run is `python -m finetune RECIPE`, in this process, with torch's CUDA sync debug mode set to warn:
 torch then warns at every operation that makes the host wait for the GPU (`.item()`, `.tolist()`, a copy to

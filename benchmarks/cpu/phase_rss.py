@@ -11,7 +11,7 @@ process's growth less the larger rank's, as a multiple of the model's packed 4-b
 at least 0.4; each rank should hold half of the packed weights in every phase); and the planner's CPU
 figure per process beside each measured phase (memory.json's `plan`).
 
-    python -m benchmarks.phase_rss [--layers 16]       # prints a table and one JSON line
+    python -m benchmarks.cpu.phase_rss [--layers 16]       # prints a table and one JSON line
 """
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ def run(layers: int = 16, only: list[str] | None = None, model: str | None = Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.phase_rss")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu.phase_rss")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--only", help="comma-separated subset of single,fsdp2,fsdp1")
     ap.add_argument("--model", help="another model (default: the 2 GB synthetic Llama of --layers layers)")

@@ -5,7 +5,7 @@ JSONL file, with a recipe based on recipes/tiny_cpu.yaml that trains on them (1%
 interpreter runs `finetune data RECIPE` on a cold cache (an empty FINETUNE_CACHE) and reports its own peak
 RSS (VmHWM), then once more on the warm cache (what the other ranks of a node and a second run see).
 
-    python -m benchmarks.prepare_rss --rows 200000     # prints one JSON line; run() returns the figures
+    python -m benchmarks.cpu.prepare_rss --rows 200000     # prints one JSON line; run() returns the figures
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def _child(recipe: str) -> None:
     import contextlib
     import io
 
-    from benchmarks.merge_rss import peak_rss
+    from benchmarks.cpu.merge_rss import peak_rss
     from finetune.cli import main
 
     with contextlib.redirect_stdout(io.StringIO()) as out:
@@ -75,10 +75,10 @@ def _child(recipe: str) -> None:
 def _measure(recipe: Path, cache: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", "FINETUNE_CACHE": str(cache),
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.time()
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.prepare_rss", "--child", str(recipe)],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.cpu.prepare_rss", "--child", str(recipe)],
                           capture_output=True, text=True, env=env, cwd=root, check=False)
     if proc.returncode != 0:
         raise RuntimeError(f"finetune data failed:\n{proc.stderr[-3000:]}")
@@ -108,7 +108,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--child":
         _child(sys.argv[2])
     else:
-        ap = argparse.ArgumentParser(prog="python -m benchmarks.prepare_rss", description=__doc__.splitlines()[0])
+        ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu.prepare_rss", description=__doc__.splitlines()[0])
         ap.add_argument("--rows", type=int, default=200_000, help="rows to prepare (default 200000)")
         res = run(ap.parse_args().rows)
         print(table(res))

@@ -12,7 +12,7 @@
 Goals: DPO raises held-out preference accuracy from the SFT adapter's to at least 0.9 and does not lower
 exact match; ORPO raises it from the base's to at least 0.9.
 
-    python -m benchmarks.preference [--out DIR] [--sft RUN_DIR] [--json]
+    python -m benchmarks.cpu.preference [--out DIR] [--sft RUN_DIR] [--json]
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOAL = 0.9
 
 
@@ -71,7 +71,7 @@ def run(out: Path, sft: Path | None = None) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.preference", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu.preference", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_preference")
     ap.add_argument("--sft", type=Path, help="an existing SFT run dir of recipes/tiny_cpu.yaml (skips step 1)")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")

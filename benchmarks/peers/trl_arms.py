@@ -1,4 +1,4 @@
-"""The two sides of row 7 (benchmarks/trl_sft.py), each run as `python -m benchmarks.trl_arms ARM SETTINGS_JSON`
+"""The two sides of row 7 (benchmarks/peers/trl_sft.py), each run as `python -m benchmarks.peers.trl_arms ARM SETTINGS_JSON`
 in a fresh interpreter, so each pays for its own imports and nothing else, and its peak RSS (VmHWM) is its own.
 
 `finetune`: finetune's loop as a user runs it (`finetune.train.loop.train` on the tiny recipe), reading its rows
@@ -47,7 +47,7 @@ def finetune_arm(s: dict) -> dict:
     phases["imported"] = rss()
     out = Path(s["out"])
     rec = recipe_mod.load(TINY_RECIPE, s["overrides"] + [f"output.dir={out}"])
-    from benchmarks.trl_compare import digest
+    from benchmarks.peers.trl_compare import digest
 
     seen = {}
     prepare = loop.prepare_data
@@ -116,7 +116,7 @@ def trl_arm(s: dict, fp32_adapters: bool = False) -> dict:
             if p.requires_grad:
                 p.data = p.data.float()
     adapter_dtype = str(next(p.dtype for p in trainer.model.parameters() if p.requires_grad))
-    from benchmarks.trl_compare import digest
+    from benchmarks.peers.trl_compare import digest
 
     trained = digest(trainer.train_dataset), len(trainer.train_dataset)  # streamed: no copy of the rows kept
     marks, step_tokens = [], [0]

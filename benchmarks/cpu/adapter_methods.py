@@ -7,9 +7,9 @@ the wall time of the training command, and the peak RSS of the steps phase with 
 loaded model (RUN_DIR/memory.json, largest rank). Every run is a fresh process: nothing is shared but
 the data cache.
 
-    python -m benchmarks.adapter_methods                    # 800 steps each, one process: the docs table
-    python -m benchmarks.adapter_methods --steps 150 --fsdp # 2-process FSDP2 (recipes/tiny_cpu_fsdp.yaml)
-    python -m benchmarks.adapter_methods --json             # the last stdout line is the rows as JSON
+    python -m benchmarks.cpu.adapter_methods                    # 800 steps each, one process: the docs table
+    python -m benchmarks.cpu.adapter_methods --steps 150 --fsdp # 2-process FSDP2 (recipes/tiny_cpu_fsdp.yaml)
+    python -m benchmarks.cpu.adapter_methods --json             # the last stdout line is the rows as JSON
 
 docs/adapter_methods.md holds the table this printed.
 """
@@ -97,7 +97,7 @@ def run(steps: int | None = None, fsdp: bool = False, methods=None) -> list[dict
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.adapter_methods", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.cpu.adapter_methods", description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, help="train.max_steps for every method (default: the recipe's)")
     ap.add_argument("--fsdp", action="store_true", help="2-process FSDP2 with recipes/tiny_cpu_fsdp.yaml")
     ap.add_argument("--methods", help=f"comma-separated subset of: {', '.join(METHODS)}")

@@ -2,12 +2,12 @@
 
 Both train the builtin tiny Llama in 4 bits on the rows finetune's data preparation makes (exported as
 pre-tokenized `input_ids` + `labels` for TRL, checked to be identical token for token), with the same LoRA,
-optimizer, schedule and micro-batch. Per seed, each arm runs in a fresh interpreter (benchmarks/trl_arms.py),
+optimizer, schedule and micro-batch. Per seed, each arm runs in a fresh interpreter (benchmarks/peers/trl_arms.py),
 the arms alternating in order from one seed to the next. Then one scorer (finetune's held-out loss and greedy
 exact match, base + saved adapter) scores every adapter. The third arm is the ablation of the largest
 difference that stays: SFTTrainer with its adapters kept in fp32, as finetune keeps them.
 
-    python -m benchmarks.trl_sft [--seeds 1,2,3] [--steps 150] [--window 20]
+    python -m benchmarks.peers.trl_sft [--seeds 1,2,3] [--steps 150] [--window 20]
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import ROOT, TINY_RECIPE, child_env, last_json_line
-from benchmarks.trl_compare import compare_batches, digest, loss_not_worse, spread
+from benchmarks.peers.trl_compare import compare_batches, digest, loss_not_worse, spread
 
 ARMS = ["finetune", "trl", "trl_fp32_adapters"]
 DIFFERENCES = [
@@ -92,7 +92,7 @@ def export(seed: int, steps: int, window: int, tmp: Path) -> dict:
 
 def run_arm(arm: str, settings: dict, out: Path, timeout: float, threads: int | None) -> dict:
     """One training run in a fresh interpreter; its JSON result."""
-    cmd = [sys.executable, "-m", "benchmarks.trl_arms", arm, json.dumps({**settings, "out": str(out)})]
+    cmd = [sys.executable, "-m", "benchmarks.peers.trl_arms", arm, json.dumps({**settings, "out": str(out)})]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(threads), capture_output=True, text=True,
                           timeout=timeout, check=False)
     if proc.returncode != 0:

@@ -1,5 +1,12 @@
-"""RESULTS_GPU.md from the GPU proof's results.json (benchmarks/gpu_proof.py): one section per stage."""
+"""The page of one GPU proof run (its out dir's RESULTS_GPU.md, from results.json: benchmarks/gpu/proof.py), and
+the per-stage text that benchmarks/RESULTS_GPU.md (results_page.py) reuses. Figures are written as words and
+numbers, never as Python literals, and scratch paths (run dirs, library files) are left out."""
 from __future__ import annotations
+
+from pathlib import PurePath
+
+# keys of a stage's result that name a scratch file of the machine the proof ran on: not a figure
+SCRATCH = ("run", "recipe", "predictions", "output_tail")
 
 
 def _f(x, nd=2, pct=False):
@@ -34,6 +41,35 @@ def report(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def kv(x) -> str:
+    """A result's dict or list as text: `a 1, b (c 2)`; errors in percent get their sign."""
+    if isinstance(x, dict):
+        parts = []
+        for k, v in x.items():
+            if k in SCRATCH:
+                continue
+            words = k.replace("_", " ")
+            if isinstance(v, float) and k.startswith(("steps_", "load_")):  # errors_pct's keys
+                parts.append(f"{words} {v:+.1f}%")
+            else:
+                parts.append(f"{words} ({kv(v)})" if isinstance(v, dict) else f"{words} {kv(v)}")
+        return ", ".join(parts) or "none"
+    if isinstance(x, list):
+        return "[" + ", ".join(kv(v) for v in x) + "]"
+    if isinstance(x, float):
+        return f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+    return str(x)
+
+
+def _site(frame: str) -> str:
+    """A traced frame as the library's own path (transformers/models/...), not the proof machine's install dir."""
+    frame = frame.replace(" [torch::unwind::unwind()]", "")
+    for marker in ("site-packages/", "/site/"):
+        if marker in frame:
+            return frame.split(marker, 1)[1]
+    return frame
+
+
 def _mem_rows(memory: dict, plan: dict | None = None) -> list[str]:
     rows = []
     if memory["kind"] == "cuda":
@@ -54,20 +90,25 @@ def _run_rows(label: str, r: dict) -> list[str]:
            f"- {_f(r['trained_tokens_per_s'], 0)} trained tokens/s ({r['s_per_step']} s/step over {r['timed_steps']} "
            f"timed steps); loss {r['first_loss']} -> {r['last_loss']}, finite: {r['losses_finite']}",
            f"- plan: peak allocated {p['allocated_gib']:.2f} GiB, reserved {p['reserved_gib']:.2f} GiB, loading "
-           f"{p['loading_gib']:.2f} GiB; error vs measured (%): {r['errors_pct']}"]
+           f"{p['loading_gib']:.2f} GiB; measured vs plan: {kv(r['errors_pct'])}"]
     if "eval" in r:
-        out.append(f"- eval: {r['eval']}")
+        out.append(f"- eval: {kv(r['eval'])}")
     return out + [""] + _mem_rows(r["memory"]) + [""]
+
+
+def _env_rows(r: dict) -> list[str]:
+    keys = ["transformers_ok", "bnb_library", "quantize_4bit_bytes_equal_cpu", "matmul_4bit_rel_err",
+            "paged_adamw_8bit", "matmul_bf16_tflops", "copy_gb_s", "gpu_memory_gib", "capability"]
+    # the library's file name only: the directory is the machine's scratch site-packages
+    rows = [f"- {k}: {PurePath(r[k]).name if k == 'bnb_library' else kv(r[k])}" for k in keys if k in r]
+    bad = {k: v for k, v in (r.get("floors") or {}).items() if not v["ok"]}
+    rows.append(f"- pyproject floors not met here: {kv(bad)}")
+    return rows
 
 
 def _section(name: str, r: dict, results: dict) -> list[str]:
     if name == "env":
-        keys = ["transformers_ok", "bnb_library", "quantize_4bit_bytes_equal_cpu", "matmul_4bit_rel_err",
-                "paged_adamw_8bit", "matmul_bf16_tflops", "copy_gb_s", "gpu_memory_gib", "capability"]
-        rows = [f"- {k}: {r.get(k)}" for k in keys if k in r]
-        bad = {k: v for k, v in (r.get("floors") or {}).items() if not v["ok"]}
-        rows.append(f"- pyproject floors not met here: {bad or 'none'}")
-        return rows
+        return _env_rows(r)
     if name == "models":
         return [f"- {k}: `{v['name']}`, {v['gib']} GiB, built in {v['seconds']} s" for k, v in r.items()]
     if name.startswith(("single", "load70b")):
@@ -79,18 +120,19 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
                        f"({r['flops_per_token']:.4g} model FLOPs per token)")
         p = r.get("plan", {})
         out.append(f"- plan (`finetune estimate`): peak allocated {p.get('allocated_gib', 0):.2f} GiB, reserved "
-                   f"{p.get('reserved_gib', 0):.2f} GiB, loading {p.get('loading_gib', 0):.2f} GiB; error vs measured "
-                   f"(%): {r.get('errors_pct')}")
+                   f"{p.get('reserved_gib', 0):.2f} GiB, loading {p.get('loading_gib', 0):.2f} GiB; measured vs plan: "
+                   f"{kv(r.get('errors_pct') or {})}")
         return out + [""] + _mem_rows(r["memory"])
     if name.startswith("fsdp") and not name.startswith("fsdp2_trace"):
         out = [f"- train: loss {r['train']['first_loss']} -> {r['train']['last_loss']}, "
                f"{_f(r['train']['trained_tokens_per_s'], 0)} trained tokens/s",
-               f"- resume: {r['resume']}", f"- eval: {r['eval']}", f"- generate: {r['generate']}"]
+               f"- resume: {kv(r['resume'])}", f"- eval: {kv(r['eval'])}", f"- generate: {kv(r['generate'])}"]
         if "plan" in r:
             out.append(f"- plan (`finetune estimate`): peak allocated {r['plan']['allocated_gib']:.2f} GiB, reserved "
-                       f"{r['plan']['reserved_gib']:.2f} GiB; error vs measured (%): {r.get('errors_pct')}")
+                       f"{r['plan']['reserved_gib']:.2f} GiB; measured vs plan: {kv(r.get('errors_pct') or {})}")
         if "bytecheck" in r:
-            out.append(f"- packed-byte check after the FSDP2 wrap and after unshard (bitsandbytes 1945): {r['bytecheck']}")
+            out.append(f"- packed-byte check after the FSDP2 wrap and after unshard (bitsandbytes 1945): "
+                       f"{kv(r['bytecheck'])}")
         return out + [""] + _mem_rows(r["train"]["memory"])
     if name.startswith("fsdp2_trace"):
         t = r["trace"]
@@ -98,24 +140,24 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
             return [f"- {t}"] + [""] + _mem_rows(r["memory"])
         return ([f"- traced peak {t['peak_bytes_traced'] / 2**30:.2f} GiB over {t['entries']} allocator events; "
                  "alive at the peak:", "", "| GiB | allocated at |", "|---|---|"]
-                + [f"| {x['gib']:.3f} | `{x['site']}` |" for x in t["sites"]] + [""] + _mem_rows(r["memory"]))
+                + [f"| {x['gib']:.3f} | `{_site(x['site'])}` |" for x in t["sites"]] + [""] + _mem_rows(r["memory"]))
     if name.startswith("syncs"):
         out = []
         for run, v in r.items():
             if not isinstance(v, dict):
-                out.append(f"- {run}: {v}")
+                out.append(f"- {run}: {kv(v)}")
                 continue
-            out.append(f"- {run}: {v.get('syncs_by_step')} host waits per optimizer step ({v['micro_batches_per_step']} "
+            out.append(f"- {run}: {kv(v.get('syncs_by_step'))} host waits per optimizer step ({v['micro_batches_per_step']} "
                        f"micro-batches each; steady {v.get('steady_syncs_per_step')}); measurable: {v['measurable']}")
             out += [f"  - {n} x `{site}`" for site, n in v["in_steps_by_site"].items()]
         return out
     if name == "trl":
-        return [f"- TRL: {r['trl']}", f"- finetune over TRL: {r.get('finetune_over_trl')}"]
+        return [f"- TRL: {kv(r['trl'])}", f"- finetune over TRL: {kv(r.get('finetune_over_trl') or {})}"]
     if name == "moe":
         return _run_rows("moe", r)
     if name in ("adapters", "preference"):
         out = []
         for run, v in r.items():
-            out += _run_rows(run, v) if isinstance(v, dict) and "memory" in v else [f"- {run}: {v}"]
+            out += _run_rows(run, v) if isinstance(v, dict) and "memory" in v else [f"- {run}: {kv(v)}"]
         return out
-    return [f"- {k}: {v}" for k, v in r.items()]
+    return [f"- {k}: {kv(v)}" for k, v in r.items() if k not in SCRATCH]

@@ -16,7 +16,7 @@ padding and needs fewer micro-batches for the same examples. On this 2.6M-parame
 per micro-batch is a large share, so the speedup can exceed 1 / (1 - padding_fraction_unpacked), which
 is what a large, compute-bound model tends towards.
 
-    python -m benchmarks.packing         # prints the figures; run() returns them
+    python -m benchmarks.cpu.packing         # prints the figures; run() returns them
 """
 from __future__ import annotations
 

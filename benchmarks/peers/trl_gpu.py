@@ -1,6 +1,6 @@
 """The GPU proof's TRL arm: SFTTrainer (peft + bitsandbytes) on the proof's 8B model, as a TRL user sets it up.
 
-    python -m benchmarks.gpu_trl '{"m8": NAME, "seq": 2048, "warmup": 4, "steps": 8, "work": DIR}'
+    python -m benchmarks.peers.trl_gpu '{"m8": NAME, "seq": 2048, "warmup": 4, "steps": 8, "work": DIR}'
 
 Same model files, the same kind of rows (seeded random ids, exactly `seq` long, every token trained), micro-batch
 2, LoRA r16 / alpha 32 on every linear layer, paged 8-bit AdamW, bf16, gradient checkpointing, NF4 with double

@@ -11,7 +11,7 @@ Figures: growth per process; the 2-process / 1-process growth ratio (goal <= 0.6
 the 1-process growth over the loaded model's bytes (goal <= 1.5: the bf16 weights are never all held);
 and the planner's load phase (plan/loading.py, for a CPU run) against the measured growth of the reader.
 
-    python -m benchmarks.load_rss            # prints the result; run() returns it
+    python -m benchmarks.cpu.load_rss            # prints the result; run() returns it
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 MODEL = ("synthetic:meta-llama/Meta-Llama-3-8B?layers={layers}&hidden=2048&intermediate=5632&heads=16"
          "&kv_heads=8&vocab=8192")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _status_kib(field: str) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # Versions below the pins that a recorded run used: package -> (version, where it ran).
 RAN_ON = {"torch": ("2.11.0", "the GPU proof on the GPU image (torch 2.11.0+cu130), benchmarks/RESULTS_GPU.md")}
 

@@ -1,5 +1,5 @@
 """Row 1, `throughput_ratio`: trained tokens/s of finetune's training loop over a plain transformers + peft +
-accelerate loop (benchmarks/baseline.py), same tiny QLoRA model, data and settings.
+accelerate loop (benchmarks/cpu/baseline.py), same tiny QLoRA model, data and settings.
 
 Each run is a fresh process forked from a server that has only imported the libraries. finetune's side is
 the real `finetune.train.loop.train()` on recipes/tiny_cpu.yaml; its throughput is read from the run's own
@@ -7,7 +7,7 @@ metrics.jsonl (logged every `warmup` steps), skipping the first window: steady s
 A B C / C B A; the ratio is of the medians. The third arm, finetune's loop with torch's own SDPA kernel
 choice, shows how much of the ratio comes from finetune.plan.attention.
 
-    python -m benchmarks.throughput [--reps 5] [--warmup 5] [--steps 20]
+    python -m benchmarks.cpu.throughput [--reps 5] [--warmup 5] [--steps 20]
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def precision() -> str:
 
 
 def run(reps: int = 5, warmup: int = 5, steps: int = 20) -> dict:
-    from benchmarks.baseline import plain_run
+    from benchmarks.cpu.baseline import plain_run
 
     steps = round_steps(warmup, steps)
     ctx = fork_context()

@@ -1,4 +1,4 @@
-"""The GPU proof's stages for what users do after plain LoRA (benchmarks/gpu_stages.py registers them):
+"""The GPU proof's stages for what users do after plain LoRA (benchmarks/gpu/stages.py registers them):
 
 - `adapters`: DoRA (QDoRA) beside plain LoRA on the same 4-layer 8B-width model and batch, one process:
   tokens/s and memory side by side, each against the planner;
@@ -7,15 +7,16 @@
 - `moe`: a Qwen3-30B-A3B-width model (its 128 experts, few layers) with the experts held 4-bit and LoRA on
   them (`lora.target_parameters: auto`): train, the planner beside the measured phases, eval on the GPU.
 
-Each prints nothing of its own: gpu_stages.main writes the returned dict as the stage's result.
+Each prints nothing of its own: stages.main writes the returned dict as the stage's result.
 """
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
-from benchmarks.gpu_stages import (_plan_errors, _train_and_read, estimate, finetune, last_json_line, must,
-                                   plan_figures, recipe, sh, write_recipe)
+from benchmarks.common import last_json_line
+from benchmarks.gpu.harness import (estimate, finetune, must, plan_errors, plan_figures, recipe, sh, train_and_read,
+                                    write_recipe)
 
 
 def moe_name(dry: bool) -> str:
@@ -28,7 +29,7 @@ def moe_name(dry: bool) -> str:
 
 def _planned(res: dict, work: Path, name: str) -> dict:
     res["plan"] = plan_figures(estimate(work / f"{name}.yaml", work / "commands.log"))
-    res["errors_pct"] = _plan_errors(res["memory"], res["plan"])
+    res["errors_pct"] = plan_errors(res["memory"], res["plan"])
     res["losses_finite"] = all(math.isfinite(x) for x in (res["first_loss"], res["last_loss"]))
     return res
 
@@ -39,7 +40,7 @@ def stage_adapters(work: Path, sh_: dict) -> dict:
     steps = sh_["warmup"] + 4
     for name, lora in (("adapters_lora", {}), ("adapters_dora", {"use_dora": True})):
         rec = recipe(sh_["m8_short"], sh_["seq"], steps, work / name, held_out=False, lora=lora)
-        out[name] = _planned(_train_and_read(rec, work, name, sh_), work, name)
+        out[name] = _planned(train_and_read(rec, work, name, sh_), work, name)
     lo, do = out["adapters_lora"], out["adapters_dora"]
     out["dora_over_lora"] = {
         "tokens_per_s": round(do["trained_tokens_per_s"] / lo["trained_tokens_per_s"], 3),
@@ -61,7 +62,7 @@ def stage_preference(work: Path, sh_: dict) -> dict:
         rec = recipe(sh_["m8_short"], 64, 6, work / name, train={**train, "micro_batch_size": 8, "learning_rate": 1e-4})
         rec["data"] = {"sources": [{"path": "builtin:tiny-preference"}],
                        "eval_sources": [{"path": "builtin:tiny-preference", "split": "eval"}], "max_seq_len": 64}
-        res = _planned(_train_and_read(rec, work, name, {**sh_, "warmup": 1}), work, name)
+        res = _planned(train_and_read(rec, work, name, {**sh_, "warmup": 1}), work, name)
         p = must(sh(finetune("eval", str(work / name), "--json", "--max-rows", "32"), log=log), f"{name} eval")
         res["eval"] = last_json_line(p.stdout)
         out[name] = res
@@ -75,7 +76,7 @@ def stage_moe(work: Path, sh_: dict) -> dict:
     seq = min(sh_["seq"], 1024)
     rec = recipe(model, seq, sh_["warmup"] + 4, work / name,
                  lora={"target_parameters": "auto", "dropout": 0.0})
-    res = _planned(_train_and_read(rec, work, name, sh_), work, name)
+    res = _planned(train_and_read(rec, work, name, sh_), work, name)
     p = must(sh(finetune("eval", str(work / name), "--json"), log=work / "commands.log"), "moe eval")
     res["eval"] = last_json_line(p.stdout)
     return res

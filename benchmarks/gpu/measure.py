@@ -1,8 +1,8 @@
 """Run a real recipe for N steps on a GPU machine; record tokens/s, MFU and peak memory per GPU next to
 published figures.
 
-    python -m benchmarks.gpu recipes/llama3_8b_qlora.yaml [key=value ...] [--steps 60] [--warmup 10]
-    accelerate launch -m benchmarks.gpu recipes/llama3_70b_qlora.yaml --steps 30      # several GPUs
+    python -m benchmarks.gpu.measure recipes/llama3_8b_qlora.yaml [key=value ...] [--steps 60] [--warmup 10]
+    accelerate launch -m benchmarks.gpu.measure recipes/llama3_70b_qlora.yaml --steps 30      # several GPUs
 
 It trains with finetune's own loop (`finetune.train.loop.train`), reads steady-state throughput from the run's
 metrics.jsonl (the first `--warmup` steps excluded), takes each GPU's peak allocated and reserved memory from
@@ -27,7 +27,7 @@ from benchmarks import flops as F
 from benchmarks.common import commit, now, read_jsonl, steady_rate, versions
 from finetune.util.errors import RecipeError
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "RESULTS_GPU_BENCH.md"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "RESULTS_GPU_BENCH.md"
 GIB = 2**30
 # Published single-run figures to put ours next to. Compare like with like: same model, method, GPU,
 # sequence length and batch; tokens/s definitions differ between projects (trained vs all tokens).
@@ -41,7 +41,7 @@ PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.4, "H200": 989.4, "A100": 31
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.gpu.measure", description=__doc__.splitlines()[0])
     ap.add_argument("recipe")
     ap.add_argument("overrides", nargs="*", help="key=value recipe overrides, as for training")
     ap.add_argument("--steps", type=int, default=60, help="optimizer steps timed after the warm-up (default 60)")
@@ -187,7 +187,7 @@ def measure(a: argparse.Namespace, argv: list[str], run_dir: Path) -> dict | Non
                     checkpointing=rec.model.gradient_checkpointing,
                     tokens_per_trained=stats["tokens"] / max(1, stats["trained_tokens"]), gpu_name=name,
                     tflops=peak_tflops(name, a.peak_tflops))
-    return {**res, "command": " ".join(["python -m benchmarks.gpu", *argv]), "date": now(), "commit": commit(),
+    return {**res, "command": " ".join(["python -m benchmarks.gpu.measure", *argv]), "date": now(), "commit": commit(),
             "recipe": a.recipe, "model": rec.model.name, "method": rec.quantization.mode.upper() + " + LoRA",
             "seq_len": rec.data.max_seq_len, "micro_batch": rec.train.micro_batch_size,
             "grad_accum": rec.train.gradient_accumulation_steps, "packing": rec.data.packing,
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
         load(a.recipe, bench_overrides(a, Path("runs/gpu-bench")))  # bad recipe or overrides: exit 2 now
         if not gpu_available():
-            raise RecipeError(["benchmarks.gpu needs a CUDA GPU and this machine has none; run it on a GPU "
+            raise RecipeError(["benchmarks.gpu.measure needs a CUDA GPU and this machine has none; run it on a GPU "
                                "machine (python -m benchmarks measures what the CPU can)"])
     except RecipeError as e:
         print(e.render(), file=sys.stderr)
