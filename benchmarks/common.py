@@ -201,7 +201,7 @@ def run_module(module: str, kwargs: dict, timeout: float, threads: int | None = 
 
 
 def resolved_precision(rec):
-    """`rec` with the precision finetune's loop resolves on this machine (finetune.weights.device): every arm
+    """`rec` with the precision finetune's loop resolves on this machine (finetune.train.precision): every arm
     of a side-by-side row computes as finetune does."""
     import torch
 

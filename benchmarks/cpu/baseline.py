@@ -38,7 +38,7 @@ def plain_run(overrides: list[str], warmup: int, steps: int) -> dict:
     from finetune.util.dtypes import torch_dtype
 
     rec = recipe_mod.load(TINY_RECIPE, overrides)  # read for its numbers only; none of its code runs below
-    # and the precision finetune resolves here: fp32 compute on a CPU without native bf16 (weights.device)
+    # and the precision finetune resolves here: fp32 compute on a CPU without native bf16 (train/precision.py)
     rec = resolved_precision(rec)
     t, lo = rec.train, rec.lora
     acc = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=t.mixed_precision)

@@ -61,7 +61,7 @@ def finetune_run(extra: list[str], warmup: int, steps: int, torch_kernels: bool 
 
 def precision() -> str:
     """The autocast finetune resolves for the tiny recipe here: bf16, or no autocast (fp32) on a CPU
-    without native bf16 (finetune.weights.device); the plain loop is given the same."""
+    without native bf16 (finetune.train.precision); the plain loop is given the same."""
     from benchmarks.common import TINY_RECIPE, resolved_precision
     from finetune import recipe as recipe_mod
 

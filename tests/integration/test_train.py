@@ -38,7 +38,7 @@ def adapter(run_dir):
 
 
 def test_first_losses_are_pinned_and_fall(tmp_path):
-    # bf16 named: on a CPU without native bf16 the default would be fp32 compute (weights.device).
+    # bf16 named: on a CPU without native bf16 the default would be fp32 compute (train/precision.py).
     r = tiny(tmp_path, train={"max_steps": 6, "mixed_precision": "bf16"})
     train(r, tmp_path / "run")
     got = losses(tmp_path / "run")

@@ -1,4 +1,4 @@
-"""On a CPU without native bf16 the default precision becomes fp32 compute (weights.device.resolve_cpu_precision):
+"""On a CPU without native bf16 the default precision becomes fp32 compute (train/precision.py resolve_cpu_precision):
 what a recipe sets itself is kept, a bf16 base is left alone, GPUs and bf16-capable CPUs see no change."""
 from finetune import recipe as R
 from finetune.train.precision import resolve_cpu_precision
