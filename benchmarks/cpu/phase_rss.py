@@ -1,13 +1,13 @@
 """Peak RSS per phase of a whole run on CPU: one process against 2 FSDP processes (FSDP2 and FSDP1) over gloo.
 
-The setting of issue 33: a synthetic bf16 Llama of 2 GB (16 layers, hidden 2048), the shipped CPU recipes
+The setting: a synthetic bf16 Llama of 2 GB (16 layers, hidden 2048), the shipped CPU recipes
 (`recipes/tiny_cpu.yaml` for one process; `recipes/tiny_cpu_fsdp.yaml` under `accelerate launch --config_file
 configs/cpu_fsdp.yaml` for two), 2 steps at micro-batch 2 and the end-of-run eval. Every run writes
 RUN_DIR/memory.json (finetune.train.keepers.memory): per rank, the RSS when the run began (after imports) and
 each phase's peak RSS. A phase's growth is its peak less that start.
 
 Figures: per phase, the growth of the one process and of the larger FSDP rank; over the whole run, the one
-process's growth less the larger rank's, as a multiple of the model's packed 4-bit bytes (issue 33's goal:
+process's growth less the larger rank's, as a multiple of the model's packed 4-bit bytes (the goal:
 at least 0.4; each rank should hold half of the packed weights in every phase); and the planner's CPU
 figure per process beside each measured phase (memory.json's `plan`).
 

@@ -5,7 +5,7 @@
 The run is `python -m finetune RECIPE`, in this process, with torch's CUDA sync debug mode set to warn:
 torch then warns at every operation that makes the host wait for the GPU (`.item()`, `.tolist()`, a copy to
 the CPU, a boolean mask). Each warning is recorded with the innermost frame of finetune that led to it, and
-whether it came from a training step (loop.steps on the stack, its final export excluded). The loop's contract (issue 30): at
+whether it came from a training step (loop.steps on the stack, its final export excluded). The loop's contract: at
 most one such wait per optimizer step, whatever the number of micro-batches. On the CPU nothing waits for a
 device, torch reports nothing, and the result says so (`measurable: false`) instead of a count of zero.
 

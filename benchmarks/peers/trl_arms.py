@@ -73,7 +73,7 @@ def _trl_config(s: dict, out: Path):
     from trl import SFTConfig
 
     r = s["recipe"]
-    # The base exactly as finetune loads it (finetune.weights.load.model.bnb_config / load_model): NF4, double
+    # The base exactly as finetune loads it (finetune.weights.bnb.bnb_config / finetune.weights.load.model.load_model): NF4, double
     # quantization, fp32 storage and fp32 non-quantized weights, and the compute precision finetune resolves
     # here (bf16; fp32 on a CPU without native bf16, where bf16 costs both sides 10x).
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -105,7 +105,7 @@ def trl_arm(s: dict, fp32_adapters: bool = False) -> dict:
     train_rows, eval_rows = datasets.Dataset.from_list(rows["train"]), datasets.Dataset.from_list(rows["eval"])
     del rows  # the arrow tables hold them now
     tok = AutoTokenizer.from_pretrained(s["model_dir"])
-    tok.pad_token = tok.pad_token or tok.eos_token  # as finetune.weights.load.model.load_tokenizer does
+    tok.pad_token = tok.pad_token or tok.eos_token  # as finetune.weights.load.resolve.load_tokenizer does
     lora = LoraConfig(r=r["lora_r"], lora_alpha=r["lora_alpha"], lora_dropout=r["lora_dropout"],
                       target_modules=r["target_modules"], bias="none", task_type="CAUSAL_LM")
     torch.manual_seed(s["seed"])  # finetune seeds right before get_peft_model too (train.lora.apply_lora)

@@ -298,7 +298,7 @@ def repository_graph(root: Path) -> dict[str, set[str]]:
 
 
 def test_no_import_cycle_anywhere_in_the_repository(tmp_path):
-    """benchmarks/ held the repository's only cycles (issue 46); this holds every top-level package to it."""
+    """benchmarks/ once held the repository's only cycles; this holds every top-level package to it."""
     graph = repository_graph(ROOT)
     assert {"benchmarks.gpu.stages", "benchmarks.cpu.report"} <= set(graph), "benchmarks/ is not in the graph"
     assert cycles(graph) == []

@@ -1,5 +1,5 @@
 """Every `python -m benchmarks...` command the documentation shows runs: README.md, benchmarks/README.md and
-docs/*.md are read for them, and each distinct module answers `--help` with exit 0 (issue 46: commands moved
+docs/*.md are read for them, and each distinct module answers `--help` with exit 0 (commands moved
 with the benchmarks/ layout, and a page that names a module gone stale is what this catches)."""
 import re
 import subprocess
