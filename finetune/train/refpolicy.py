@@ -95,8 +95,8 @@ def compute(recipe, s: Setup, model, examples: list[dict]) -> list[list[float]]:
     mine += [0] * (per - len(mine))
     model.eval()
     out = []
-    for s in range(0, per, t.micro_batch_size):
-        batch = to_device(collate_pairs([examples[i] for i in mine[s: s + t.micro_batch_size]],
+    for at in range(0, per, t.micro_batch_size):
+        batch = to_device(collate_pairs([examples[i] for i in mine[at: at + t.micro_batch_size]],
                                         s.tok.pad_token_id), acc.device)
         with batch_kernels(batch, acc.device.type, t):
             logps, _ = sequence_logps(model, batch, acc.device.type, t)
