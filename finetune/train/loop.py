@@ -15,6 +15,7 @@ The phases of `_train`, in order, each returning what it makes (finetune.train.r
                                                    optimizer, schedule, RNG, scaler loaded in place
     setup_forward(model, offloading)            -> the activation-offloading context (None: off)
     attach_reference(recipe, run_dir, setup, model, restored.reference) -> DPO's `ref` on every pair
+    announce(recipe, run_dir, setup, model, total_steps) -> rank 0: RUN_DIR/recipe.yaml, what trains on what
     prepare_steps(recipe, run_dir, setup, total_steps, restored) -> (held-out batches, Metrics with trackers)
     Run(...)                                    -> what the steps share (finetune.train.run.Run)
     steps(run, stop, return_model)              -> the final metrics (and the model): the optimizer steps,
