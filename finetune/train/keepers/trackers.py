@@ -6,9 +6,9 @@ thing a run writes. Rank 0 only: Accelerate starts and logs trackers on the main
 
 A run that resumes from a checkpoint continues the same tracker run: the run ids are kept in
 RUN_DIR/trackers.json (W&B: the run id, resumed with resume="allow"; MLflow: the run id), which the run's
-Resume reads back (finetune.train.keepers.resume). TensorBoard
-writes RUN_DIR/tensorboard/<project>/ and purges, on resume, the events after the resumed step (as
-metrics.jsonl drops those lines): its `purge_step`. A run that starts from step 0 starts new tracker runs.
+Resume reads back (finetune.train.keepers.resume) and hands to `Trackers`. TensorBoard writes
+RUN_DIR/tensorboard/<project>/ and purges, on resume, the events after the resumed step (as metrics.jsonl
+drops those lines): its `purge_step`. A run that starts from step 0 starts new tracker runs.
 """
 from __future__ import annotations
 
