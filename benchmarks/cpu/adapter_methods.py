@@ -67,7 +67,7 @@ def train_one(name: str, run_dir: Path, steps: int | None, fsdp: bool) -> dict:
     rates = [r["tokens_per_s"] for r in records if "tokens_per_s" in r and r["step"] > 1]
     memory = json.loads((run_dir / "memory.json").read_text())
     steps_peak = max(rank["phases"]["steps"]["peak_rss"] for rank in memory["ranks"])
-    loaded = max(rank["phases"]["wrap"]["rss_after"] for rank in memory["ranks"])
+    loaded = max(rank["phases"]["forward"]["rss_after"] for rank in memory["ranks"])  # loaded, before the steps
     return {"method": name, "eval_loss": round(score["eval_loss"], 4), "exact_match": score["exact_match"],
             "tokens_per_s": round(sum(rates) / max(len(rates), 1), 1), "train_seconds": round(seconds, 1),
             "peak_rss_mib": round(steps_peak / 2**20, 1), "steps_growth_mib": round((steps_peak - loaded) / 2**20, 1),

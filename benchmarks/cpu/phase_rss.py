@@ -60,12 +60,14 @@ def run_one(name: str, rec: dict, work: Path, launch: list[str]) -> dict:
 
 def plan_errors(res: dict) -> dict:
     """Per run and planned phase: (planned - measured) / measured, measured the largest rank's peak RSS. The
-    plan's load covers the whole streaming load, which under FSDP ends in the shard fill (the `wrap` phase)."""
+    plan's load covers the whole streaming load, which under FSDP ends in the shard fill (memory.LOAD_PHASES)."""
+    from finetune.train.keepers.memory import LOAD_PHASES
+
     out = {}
     for name in res["runs"]:
         peak, plan = res[name]["peak_gib"], res[name]["plan_gib"]
         for phase, planned in plan.items():
-            measured = max(max(peak[p]) for p in ({"load": ("load", "wrap")}.get(phase, (phase,))) if p in peak)
+            measured = max(max(peak[p]) for p in ({"load": LOAD_PHASES}.get(phase, (phase,))) if p in peak)
             out[f"{name} {phase}"] = round((planned - measured) / measured, 3)
     return out
 
@@ -125,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(res: dict) -> str:
+    from finetune.train.keepers.memory import PHASES
+
     chosen = res["runs"]
-    phases = [p for p in ("load", "wrap", "steps", "eval", "save", "export")
+    phases = [p for p in PHASES
               if any(p in res[n]["growth_gib"] for n in chosen)]
     lines = ["| phase | " + " | ".join(f"{n} growth (max rank) | {n} plan" for n in chosen) + " |",
              "|---" * (1 + 2 * len(chosen)) + "|"]

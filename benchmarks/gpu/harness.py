@@ -159,9 +159,11 @@ def plan_errors(memory: dict, plan: dict) -> dict:
         out["steps_allocated"] = err(ph["steps"]["peak_allocated_gib"], plan["allocated_gib"])
         out["steps_reserved"] = err(ph["steps"]["peak_reserved_gib"], plan["reserved_gib"])
     if "load" in ph:
-        # Under FSDP the load leaves placeholders and the shards are filled in the wrap: the planner's load
-        # phase is both together.
-        loaded = max(ph[k]["peak_reserved_gib"] for k in ("load", "wrap") if k in ph)
+        from finetune.train.keepers.memory import LOAD_PHASES
+
+        # Under FSDP the load leaves placeholders and the shards are filled after the wrap: the planner's load
+        # phase spans them all (memory.LOAD_PHASES).
+        loaded = max(ph[k]["peak_reserved_gib"] for k in LOAD_PHASES if k in ph)
         out["load_reserved_vs_loading_plan"] = err(loaded, plan["loading_gib"])
     return out
 

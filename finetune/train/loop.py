@@ -1,19 +1,36 @@
 """The training loop: one explicit loop, readable top to bottom (`_train`).
 
-setup (accelerator, tokenizer, data) -> load the 4-bit base for this process's placement -> adapters (LoRA,
-optimizer, schedule) -> wrap for the strategy -> fill this rank's shards of the base -> restore a checkpoint's
-state -> for each optimizer step: accumulate micro-batches under autocast, clip, step, log, evaluate,
-checkpoint -> save the adapter.
+The phases of `_train`, in order, each returning what it makes (finetune.train.run holds the small types):
+
+    setup(recipe, run_dir)                      -> Setup(acc, tok, prepared, host_group)
+    Resume.open(train.resume, run_dir, acc, fp) -> Resume: the checkpoint, verified and fingerprint-checked
+                                                   (keepers.resume; `path` None for a fresh run)
+    load_with_plan(model, quantization, placement) -> (model: the 4-bit base, plan: its load plan)
+    add_adapters(recipe, setup, model, plan)    -> Adapters(model, layout, total_steps)
+    resume.adapter_into(model)                  -> the checkpoint's adapter, before the wrap shards it
+    build_optim(recipe, setup, adapters)        -> Optim(optimizer, scheduler, scaler)
+    wrap(acc, model, optimizer, plan)           -> (model, optimizer) for the strategy
+    fill_shards(model, plan)                    -> this rank's shards of the base, filled
+    resume.restore(acc, optim, total_steps, key) -> Restored(step, epoch, cursor, tracker_ids, reference):
+                                                   optimizer, schedule, RNG, scaler loaded in place
+    setup_forward(model, offloading)            -> the activation-offloading context (None: off)
+    attach_reference(recipe, run_dir, setup, model, restored.reference) -> DPO's `ref` on every pair
+    announce(recipe, run_dir, setup, model, total_steps) -> rank 0: RUN_DIR/recipe.yaml, what trains on what
+    prepare_steps(recipe, run_dir, setup, total_steps, restored) -> (held-out batches, Metrics with trackers)
+    Run(...)                                    -> what the steps share (finetune.train.run.Run)
+    steps(run, stop, return_model)              -> the final metrics (and the model): the optimizer steps,
+                                                   evaluation, checkpoints, then the adapter (finish)
+
+memory.json names its phases after these (keepers.memory.PHASES): load (setup, the resume opened, the base),
+adapters (with the optimizer), wrap, fill, restore, forward, reference (DPO), steps, eval, save, export.
 
 Every collective call (a sharded forward, a reduce, a barrier) is made by every rank in the same order:
 the steps below branch on the rank only around rank-0 work that is not collective.
 """
 from __future__ import annotations
 
-import math
-import random
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -30,64 +47,31 @@ from finetune.recipe.rundir import write_recipe
 from finetune.train import guard
 from finetune.train.gather import gather_full_adapter_state
 from finetune.train.keepers import checkpoint, runlock
+from finetune.train.keepers.memory import PhaseMemory
+from finetune.train.keepers.memory import table as memory_table
+from finetune.train.keepers.memory import tracker_values
 from finetune.train.keepers.metrics import Metrics
+from finetune.train.keepers.resume import Restored, Resume
 from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
 from finetune.train.lora import apply_lora, enable_checkpointing, load_adapter_into, trainable_report
 from finetune.train.loss import loss_totals, setup_forward
-from finetune.train.preference import eval_totals
-from finetune.train.refpolicy import attach_reference
-from finetune.train.keepers.memory import PhaseMemory, tracker_values, table as memory_table
-from finetune.train.optim import build_optimizer, build_scheduler, schedule_note
+from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
+from finetune.train.preference import eval_totals
+from finetune.train.refpolicy import attach_reference, dpo_key
+from finetune.train.run import Adapters, Optim, Run, Setup, held_out_batches, plan_steps
 from finetune.train.step import global_sum, make_scaler, optimizer_step
 from finetune.train.stop import StopSignal
 from finetune.train.precision import resolve_cpu_precision
-from finetune.weights.heap import release_cached_memory
-from finetune.weights.load.model import load_with_plan
-from finetune.weights.shard.fsdp import fill_shards
-from finetune.weights.load.placement import placement_for
 from finetune.artefacts.adapter import portable_peft_config
 from finetune.artefacts.tokenizer import save_tokenizer
+from finetune.weights.heap import release_cached_memory
+from finetune.weights.load.model import load_with_plan
+from finetune.weights.load.placement import placement_for
 from finetune.weights.load.resolve import load_tokenizer
+from finetune.weights.shard.fsdp import fill_shards
 from finetune.util.errors import RecipeError
 from finetune.util.log import log
-
-
-@dataclass
-class Run:
-    """What the steps of one run share. step / epoch / cursor are the position a checkpoint records
-    (cursor: micro-batches consumed in the current epoch); `batches` are this rank's for `epoch`."""
-    recipe: Recipe
-    run_dir: Path
-    acc: object
-    tok: object
-    prepared: object
-    model: object = None
-    layout: str | None = None
-    total_steps: int = 0
-    optimizer: object = None
-    scheduler: object = None
-    step: int = 0
-    epoch: int = 0
-    cursor: int = 0
-    batches: list | None = None
-    eval_batches: list | None = None
-    metrics: Metrics | None = None
-    scaler: object = None  # finetune.train.scaling.LossScaler
-    resumed_from: Path | None = None
-    resume_state: dict | None = None  # the checkpoint's manifest, between checkpoint_to_resume and restore
-    memory: object = None  # finetune.train.keepers.memory.PhaseMemory
-    offload: object = None  # the activation-offloading context of every training forward (None: off)
-    host_group: object = None  # parallel.host_group: host-side agreement beside a GPU process group
-    step_stats: dict | None = None  # a preference step's rewards, margin, accuracy (train.preference)
-
-    @property
-    def ckpt_root(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    def epoch_batches(self) -> list:
-        return epoch_batches(self.prepared.train, self.epoch, self.recipe, self.acc.process_index,
-                             self.acc.num_processes, self.tok.pad_token_id, self.layout)
 
 
 def train(recipe: Recipe, run_dir: Path, return_model: bool = False) -> dict:
@@ -108,41 +92,105 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         log.info(note)
     mem = PhaseMemory.for_this_process()  # peak memory per phase, into RUN_DIR/memory.json
     with mem.phase("load"):
-        run = setup(recipe, run_dir)
+        s = setup(recipe, run_dir)
+        # A changed recipe (or process count, or data) is refused here, before any weights load.
+        resume = Resume.open(recipe.train.resume, run_dir, s.acc, run_fingerprint(recipe, s))
         # The frozen base, placed for the strategy: whole, or (FSDP) placeholders each rank's shard replaces
-        # below. The plan says what each parameter is and where the reader finds it; handed on, never stored.
-        run.model, plan = load_with_plan(recipe.model, recipe.quantization, placement_for(run.acc))
-        add_adapters(run, plan)
-    run.memory = mem
+        # in the fill. The plan says what each parameter is and where the reader finds it; handed on, never stored.
+        model, plan = load_with_plan(recipe.model, recipe.quantization, placement_for(s.acc))
+    with mem.phase("adapters"):
+        a = add_adapters(recipe, s, model, plan)
+        resume.adapter_into(a.model)  # now, into the unwrapped model: the wrap shards what it finds
+        optim = build_optim(recipe, s, a)
     with mem.phase("wrap"):
-        resume_from = checkpoint_to_resume(run)  # its adapter weights go in now, before sharding
-        run.model, run.optimizer = wrap(run.acc, run.model, run.optimizer, plan)
-        fill_shards(run.model, plan)  # FSDP: every rank streams its part of the base into its shards
-        restore(run, resume_from)
-        run.offload = setup_forward(run.model, recipe.model.activation_offloading)  # lean modules, offloading
-        attach_reference(run)  # DPO: the starting policy's log-probs of every pair, once (train.refpolicy)
+        model, optimizer = wrap(s.acc, a.model, optim.optimizer, plan)
+        optim = replace(optim, optimizer=optimizer)
+    with mem.phase("fill"):
+        fill_shards(model, plan)  # FSDP: every rank streams its part of the base into its shards
+    with mem.phase("restore"):  # everything else a resume restores, in one call (keepers.resume)
+        restored = resume.restore(s.acc, optim, a.total_steps, dpo_key(recipe, s.prepared.stats))
+    with mem.phase("forward"):
+        offload = setup_forward(model, recipe.model.activation_offloading)  # lean modules, offloading
+    if recipe.train.method == "dpo":
+        with mem.phase("reference"):  # the starting policy's log-probs of every pair, once (train.refpolicy)
+            attach_reference(recipe, run_dir, s, model, restored.reference)
     release_cached_memory()  # the load's transients stay out of the pool the steps draw from
-    if run.acc.is_main_process:
-        write_recipe(run_dir, recipe)
-        stats = run.prepared.stats
-        log.info(f"model: {trainable_report(run.model)}; data: {stats['rows']} rows, "
-                 f"{stats['trained_tokens']} trained tokens; {run.total_steps} steps")
-        infos, warns = data_notes(recipe.data, stats)  # where eval rows come from; what the length policy dropped
-        log.info("\n".join(infos)), [log.warning(w) for w in warns]
+    announce(recipe, run_dir, s, model, a.total_steps)
+    eval_batches, metrics = prepare_steps(recipe, run_dir, s, a.total_steps, restored)
+    run = Run(recipe, run_dir, s.acc, s.tok, s.prepared, s.host_group, model=model, layout=a.layout,
+              total_steps=a.total_steps, optimizer=optim.optimizer, scheduler=optim.scheduler,
+              scaler=optim.scaler, offload=offload, memory=mem, metrics=metrics, eval_batches=eval_batches,
+              step=restored.step, epoch=restored.epoch, cursor=restored.cursor)
     return steps(run, stop, return_model)
+
+
+def setup(recipe: Recipe, run_dir: Path) -> Setup:
+    """The Accelerator, the tokenizer and the data; no weights yet."""
+    acc = make_accelerator(recipe.distributed, recipe.fsdp, recipe.train, recipe.model.dtype,
+                           **accelerator_kwargs(recipe.output.report_to, run_dir))
+    torch.manual_seed(recipe.train.seed)
+    tok = load_tokenizer(recipe.model)
+    with acc.local_main_process_first():  # builtin assets and data caches are built once per node
+        prepared = prepare_data(recipe.data, tok, vocab_size(recipe.model.name))
+    check_method(prepared, recipe.train.method)
+    start = recipe.lora.init_adapter
+    if start and not (Path(start) / "adapter_model.safetensors").exists():  # before any weights load
+        raise RecipeError([f"lora.init_adapter: {start} holds no adapter_model.safetensors (an earlier run's "
+                           "RUN_DIR/adapter; train that run first)"])
+    return Setup(acc, tok, prepared, host_group(acc))
+
+
+def add_adapters(recipe: Recipe, s: Setup, model: torch.nn.Module, plan=None) -> Adapters:
+    """Fresh LoRA adapters on the loaded base (gradient checkpointing first), the packing layout its
+    attention allows and the step count; nothing is wrapped yet. `plan`: the load plan of a placeholder
+    base (FSDP), which DoRA reads its magnitudes through."""
+    t = recipe.train
+    enable_checkpointing(model, recipe.model)
+    model = apply_lora(model, recipe.lora, seed=t.seed, plan=plan)
+    if recipe.lora.init_adapter:  # start from an earlier run's adapter (a resume's checkpoint replaces it next)
+        load_adapter_into(model, Path(recipe.lora.init_adapter))
+    attn = s.acc.unwrap_model(model).config._attn_implementation
+    layout = batching.packing_layout(recipe.data.packing, attn)
+    if attn == "sdpa" and cpu_math_kernel_possible(s.acc.device.type, t.mixed_precision):
+        log.info(f"attention: batches of up to {CPU_MATH_ATTENTION_MAX_LEN} tokens use SDPA's math kernel (on "
+                 "CPU in bf16 its backward is about twice as fast as the flash kernel's)")
+    _, total_steps = plan_steps(recipe, s.prepared.train, s.acc.num_processes, layout)
+    return Adapters(model, layout, total_steps)
+
+
+def build_optim(recipe: Recipe, s: Setup, a: Adapters) -> Optim:
+    """The optimizer over the adapters, the schedule over the run's steps and the fp16 loss scaler; the
+    wrap hands the optimizer the sharded parameters."""
+    optimizer = build_optimizer(a.model, recipe.train, recipe.lora.loraplus_lr_ratio)
+    scheduler = build_scheduler(optimizer, recipe.train, a.total_steps)  # stepped by us, once per step: never prepared
+    return Optim(optimizer, scheduler, make_scaler(recipe.train, s.acc))
+
+
+def announce(recipe: Recipe, run_dir: Path, s: Setup, model: torch.nn.Module, total_steps: int) -> None:
+    """Rank 0: the resolved recipe into RUN_DIR/recipe.yaml, and what is trained on what, in a few lines."""
+    if not s.acc.is_main_process:
+        return
+    write_recipe(run_dir, recipe)
+    stats = s.prepared.stats
+    log.info(f"model: {trainable_report(model)}; data: {stats['rows']} rows, "
+             f"{stats['trained_tokens']} trained tokens; {total_steps} steps")
+    infos, warns = data_notes(recipe.data, stats)  # where eval rows come from; what the length policy dropped
+    log.info("\n".join(infos)), [log.warning(w) for w in warns]
+
+
+def prepare_steps(recipe: Recipe, run_dir: Path, s: Setup, total_steps: int, restored: Restored
+                  ) -> tuple[list[dict], Metrics]:
+    """What the steps report through: this rank's held-out micro-batches, and the metrics sink with the
+    experiment trackers (continuing a resumed run's tracker runs, `restored.tracker_ids`)."""
+    trackers = Trackers(s.acc, recipe, run_dir, s.prepared.stats, restored.step, restored.tracker_ids)
+    metrics = Metrics(run_dir, total_steps, restored.step, recipe.output.progress_bar, trackers)
+    return held_out_batches(recipe, s), metrics
 
 
 def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
     """The optimizer steps from the run's position to the end (or a stop signal), then the adapter."""
     recipe, run_dir, mem = run.recipe, run.run_dir, run.memory
-    run.eval_batches = held_out_batches(run)
-    trackers = Trackers(run.acc, recipe, run_dir, run.prepared.stats, run.step, run.resumed_from is not None)
-    run.metrics = Metrics(run_dir, run.total_steps, run.step, recipe.output.progress_bar, trackers)
     run.model.train()
-    run.batches = run.epoch_batches()
-    run.scaler = make_scaler(run)
-    if run.resumed_from is not None:
-        run.scaler.load_state_dict(checkpoint.load_scaler_state(run.resumed_from, run.acc.process_index))
     stop.armed = True  # until now a signal stopped at once (nothing to checkpoint); now it checkpoints first
     t, rate, last = recipe.train, TokenRate(), {}
     while run.step < run.total_steps:
@@ -199,82 +247,6 @@ def finish(run: Run, last: dict, return_model: bool) -> dict:
     if return_model:
         final["model"] = run.acc.unwrap_model(run.model)
     return final
-
-
-def setup(recipe: Recipe, run_dir: Path) -> Run:
-    """The Accelerator, the tokenizer and the data; no weights yet."""
-    acc = make_accelerator(recipe.distributed, recipe.fsdp, recipe.train, recipe.model.dtype,
-                           **accelerator_kwargs(recipe.output.report_to, run_dir))
-    torch.manual_seed(recipe.train.seed)
-    tok = load_tokenizer(recipe.model)
-    with acc.local_main_process_first():  # builtin assets and data caches are built once per node
-        prepared = prepare_data(recipe.data, tok, vocab_size(recipe.model.name))
-    check_method(prepared, recipe.train.method)
-    start = recipe.lora.init_adapter
-    if start and not (Path(start) / "adapter_model.safetensors").exists():  # before any weights load
-        raise RecipeError([f"lora.init_adapter: {start} holds no adapter_model.safetensors (an earlier run's "
-                           "RUN_DIR/adapter; train that run first)"])
-    return Run(recipe, run_dir, acc, tok, prepared, host_group=host_group(acc))
-
-
-def add_adapters(run: Run, plan=None) -> None:
-    """Fresh LoRA adapters on the loaded base (gradient checkpointing first), the packing layout its
-    attention allows, the step count, the optimizer and the schedule; nothing is wrapped yet. `plan`: the
-    load plan of a placeholder base (FSDP), which DoRA reads its magnitudes through."""
-    recipe, acc, t = run.recipe, run.acc, run.recipe.train
-    enable_checkpointing(run.model, recipe.model)
-    run.model = apply_lora(run.model, recipe.lora, seed=t.seed, plan=plan)
-    if recipe.lora.init_adapter:  # start from an earlier run's adapter (a resume's checkpoint replaces it later)
-        load_adapter_into(run.model, Path(recipe.lora.init_adapter))
-    attn = acc.unwrap_model(run.model).config._attn_implementation
-    run.layout = batching.packing_layout(recipe.data.packing, attn)
-    if attn == "sdpa" and cpu_math_kernel_possible(acc.device.type, t.mixed_precision):
-        log.info(f"attention: batches of up to {CPU_MATH_ATTENTION_MAX_LEN} tokens use SDPA's math kernel (on "
-                 "CPU in bf16 its backward is about twice as fast as the flash kernel's)")
-    _, run.total_steps = plan_steps(recipe, run.prepared.train, acc.num_processes, run.layout)
-    run.optimizer = build_optimizer(run.model, t, recipe.lora.loraplus_lr_ratio)
-    run.scheduler = build_scheduler(run.optimizer, t, run.total_steps)  # stepped by us, once per step: never prepared
-
-
-def checkpoint_to_resume(run: Run) -> Path | None:
-    """The checkpoint `train.resume` names (None: a fresh run), verified and matched against this run's
-    fingerprint; its adapter weights are loaded now, into the unwrapped model (every rank loads the full
-    tensors, FSDP then shards them). Collective."""
-    acc = run.acc
-    if acc.is_main_process:
-        checkpoint.clean_partial(run.ckpt_root)  # leftovers of an interrupted checkpoint write
-        checkpoint.set_aside_damaged(run.ckpt_root)  # newer than the newest intact one: never resumed or pruned
-    acc.wait_for_everyone()
-    resume_from = checkpoint.resolve_resume(run.recipe.train.resume, run.ckpt_root)
-    if resume_from is not None:
-        run.resume_state = checkpoint.verify(resume_from)
-        # A changed recipe (or process count, or data) is refused before anything is loaded into the model.
-        for line in checkpoint.compare_fingerprint(run.resume_state, run_fingerprint(run), resume_from, run.run_dir):
-            log.info(f"resume: {line}")
-        load_adapter_into(run.model, resume_from / "adapter")
-    return resume_from
-
-
-def restore(run: Run, resume_from: Path | None) -> None:
-    """The checkpoint's optimizer / scheduler / RNG state and data position, into the wrapped run."""
-    if resume_from is None:
-        return
-    state = run.resume_state
-    checkpoint.load_training_state(resume_from, run.acc.process_index, run.optimizer, run.scheduler)
-    run.step, run.epoch, run.cursor = state["step"], state["data"]["epoch"], state["data"]["cursor"]
-    run.resumed_from = resume_from
-    log.info(f"resume: from {resume_from} (step {run.step})")
-    if note := schedule_note(run.scheduler, run.step, run.total_steps):  # a longer run stretches the decay
-        log.warning(f"resume: {note}")
-
-
-def held_out_batches(run: Run) -> list:
-    """This rank's share of the held-out rows, in micro-batches."""
-    world = run.acc.num_processes
-    # Every rank must run the same number of forwards (a sharded forward is collective): drop the remainder.
-    held = run.prepared.eval[: len(run.prepared.eval) // world * world]
-    return batching.batches(held[run.acc.process_index::world], run.recipe.train.micro_batch_size,
-                            run.tok.pad_token_id, False, run.recipe.data.max_seq_len)
 
 
 def evaluate(run: Run) -> dict:
@@ -342,30 +314,6 @@ class TokenRate:
         return round(self.tokens / max(time.perf_counter() - self.since, 1e-9), 1)
 
 
-def epoch_batches(examples, epoch: int, spec, rank: int, world: int, pad_id: int, layout: str | None):
-    """This rank's micro-batches for an epoch. The order depends only on (shuffle_seed, epoch), so a
-    resumed run sees the same data, and each global batch is split across ranks. `layout` is the packing
-    layout the attention backend supports (data.packing_layout), None for dynamic padding."""
-    order = batching.shuffled(examples, random.Random(spec.data.shuffle_seed * 1000 + epoch))
-    if layout:
-        order = batching.pack(order, spec.data.max_seq_len)
-    # Collated lazily, one micro-batch when the loop reaches it (data.batching.EpochBatches).
-    return batching.EpochBatches(order, spec.train.micro_batch_size, world, rank, pad_id, layout)
-
-
-def plan_steps(recipe: Recipe, examples: list, world: int, layout: str | None) -> tuple[int, int]:
-    """(micro-batches per epoch per rank, total optimizer steps)."""
-    t = recipe.train
-    rows = len(batching.pack(examples, recipe.data.max_seq_len)) if layout else len(examples)
-    per_epoch = rows // (t.micro_batch_size * world)
-    if per_epoch < t.gradient_accumulation_steps:
-        raise RecipeError([f"data: {rows} rows make {per_epoch} micro-batches of {t.micro_batch_size} x "
-                           f"{world} processes, fewer than one optimizer step "
-                           f"({t.gradient_accumulation_steps} micro-batches)"])
-    total = t.max_steps or math.ceil(t.epochs * per_epoch / t.gradient_accumulation_steps)
-    return per_epoch, total
-
-
 def save_checkpoint(run: Run):
     """checkpoints/step-N of the run's current position. Collective: every rank calls it."""
     acc, t = run.acc, run.recipe.train
@@ -376,12 +324,13 @@ def save_checkpoint(run: Run):
                     adapter=(portable_peft_config(cfg, run.recipe.model), state) if acc.is_main_process else None,
                     optimizer=run.optimizer, scheduler=run.scheduler,
                     data_state={"epoch": run.epoch, "cursor": run.cursor}, keep=t.keep_checkpoints,
-                    fingerprint=run_fingerprint(run), scaler_state=run.scaler.state_dict() if run.scaler else None)
+                    fingerprint=fingerprint(run.recipe, run.acc.num_processes, run.prepared.stats),
+                    scaler_state=run.scaler.state_dict())
 
 
-def run_fingerprint(run: Run) -> dict:
+def run_fingerprint(recipe: Recipe, s: Setup) -> dict:
     """What this run's checkpoints were trained with (finetune.recipe.fingerprint)."""
-    return fingerprint(run.recipe, run.acc.num_processes, run.prepared.stats)
+    return fingerprint(recipe, s.acc.num_processes, s.prepared.stats)
 
 
 def export_adapter(run: Run):

@@ -1,6 +1,6 @@
 """One optimizer step of the loop: micro-batches to the device, forward/backward with gradient sync only on
 the last micro-batch, the fp16 loss scaler, clipping, the optimizer and schedule, and a stop check between
-micro-batches. `run` is the loop's Run (finetune.train.loop).
+micro-batches. `run` is what the steps share (finetune.train.run.Run).
 
 On a GPU the host waits for the device once per step: the step's loss stays on the device until the end,
 where it is reduced over ranks and read with the gradient norm in one transfer. What must be agreed on
@@ -10,6 +10,7 @@ is still seen after every micro-batch. (fp16's loss scaler reads its overflow fl
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,8 +18,11 @@ from finetune.train.loss import batch_kernels, device_batch, token_loss_sum, tra
 from finetune.train.preference import pair_loss, pair_units, step_metrics
 from finetune.train.scaling import LossScaler
 
+if TYPE_CHECKING:
+    from finetune.train.run import Run
 
-def next_micro_batches(run) -> tuple[list[dict], int, list[int]]:
+
+def next_micro_batches(run: Run) -> tuple[list[dict], int, list[int]]:
     """(the next optimizer step's micro-batches on the device, their trained tokens on this rank, counted on
     the host copies, and for preference batches their [pairs, chosen tokens]), going on to the next epoch at
     an epoch's end."""
@@ -36,7 +40,7 @@ def next_micro_batches(run) -> tuple[list[dict], int, list[int]]:
     return micro, tokens, units
 
 
-def optimizer_step(run, stop=None) -> tuple[float, torch.Tensor | None, float] | None:
+def optimizer_step(run: Run, stop=None) -> tuple[float, torch.Tensor | None, float] | None:
     """One optimizer step: accumulate the micro-batches' gradients, clip, step the optimizer (through the
     fp16 loss scaler) and the schedule. Returns (mean token loss of the step over all ranks, gradient norm
     before clipping or None, trained tokens of the step over all ranks); None when `stop` was requested
@@ -105,7 +109,7 @@ def read_step_values(acc, loss_total: torch.Tensor, grad_norm, sums: dict | None
     return read[0], (read[-1] if grad_norm is not None else None), dict(zip(keys, read[1:1 + len(keys)]))
 
 
-def gradient_sync(run, last: bool):
+def gradient_sync(run: Run, last: bool):
     """No gradient all-reduce / reduce-scatter on the micro-batches before a step's last (DDP's no_sync,
     FSDP2's set_requires_gradient_sync). Not for FSDP1: its flat parameters mix the frozen 4-bit storage
     with the adapters, and skipping the reduce-scatter keeps a full-size (unsharded) gradient of the
@@ -119,7 +123,7 @@ def gradient_sync(run, last: bool):
     return acc.no_sync(run.model)
 
 
-def rewind(run, start: tuple[int, int]) -> None:
+def rewind(run: Run, start: tuple[int, int]) -> None:
     """Back to the data position `start` (epoch, cursor), e.g. after an abandoned step."""
     if run.epoch != start[0]:
         run.epoch = start[0]
@@ -127,7 +131,7 @@ def rewind(run, start: tuple[int, int]) -> None:
     run.cursor = start[1]
 
 
-def host_sum(run, value: float) -> float:
+def host_sum(run: Run, value: float) -> float:
     """`value` summed over ranks through the host group (no wait for the GPU), or global_sum without one."""
     if run.acc.num_processes == 1:
         return value
@@ -147,8 +151,9 @@ def global_sum(accelerator, value: float) -> float:
     return float(accelerator.reduce(t, reduction="sum").item())
 
 
-def make_scaler(run) -> LossScaler:
+def make_scaler(train_spec, acc) -> LossScaler:
+    """The fp16 loss scaler of the run's steps (disabled for any other precision)."""
     from accelerate.utils import DistributedType
 
-    sharded = run.acc.distributed_type == DistributedType.FSDP
-    return LossScaler(run.recipe.train.mixed_precision, run.acc.device.type, sharded)
+    sharded = acc.distributed_type == DistributedType.FSDP
+    return LossScaler(train_spec.mixed_precision, acc.device.type, sharded)

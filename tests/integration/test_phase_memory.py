@@ -41,6 +41,6 @@ def test_each_fsdp_rank_holds_less_than_one_process_over_the_whole_run(big):
     for version in ("fsdp2", "fsdp1"):
         assert big[f"{version}_saving_over_packed"] >= 0.4, (version, whole, big["packed_4bit_gib"])
         # in every phase the largest rank is below the one process (the load and the fill aside: one
-        # process's load is a rank's load plus its wrap, which has no counterpart there)
+        # process's load is a rank's load plus its fill, which has no counterpart there)
         for phase in ("steps", "eval", "save", "export"):
             assert max(big[version]["growth_gib"][phase]) < max(big["single"]["growth_gib"][phase]), (version, phase)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from finetune.data import batching as B
-from finetune.train.loop import epoch_batches
+from finetune.train.run import epoch_batches
 
 
 def examples(n, seed=0):

@@ -1,4 +1,9 @@
-"""Measured memory per phase of a run: load, wrap, steps, eval, save, export.
+"""Measured memory per phase of a run, named after the phases of finetune.train.loop._train (PHASES): load (the
+setup, the resume checkpoint opened, the base loaded: under FSDP placeholders only), adapters (LoRA, the
+checkpoint's adapter, the optimizer), wrap (FSDP's or DDP's wrap), fill (each rank's shards of the base
+streamed in), restore (a resume's optimizer, schedule, RNG, scaler), forward (the lean modules and activation
+offloading), reference (DPO's reference pass over every pair), steps, eval, save (checkpoints), export (the
+final adapter). The planner's `load` is the whole streamed load, which under FSDP ends in `fill`.
 
 On a GPU each phase records torch's peak allocated and reserved bytes on this process's device, the peaks reset
 when the phase starts, so each figure belongs to its phase alone. On CPU (where host RAM is the device memory)
@@ -22,7 +27,9 @@ from pathlib import Path
 
 import torch
 
-PHASES = ("load", "wrap", "steps", "eval", "save", "export")
+PHASES = ("load", "adapters", "wrap", "fill", "restore", "forward", "reference", "steps", "eval", "save", "export")
+# The phases the planner's load figure spans: under FSDP the streamed load ends when the shards are filled.
+LOAD_PHASES = ("load", "adapters", "wrap", "fill")
 TRACE_ENV = "FINETUNE_MEMORY_TRACE"
 # Frames worth naming as the place an allocation comes from: ours first, then the libraries that allocate.
 SITE_PACKAGES = ("/finetune/", "/peft/", "/bitsandbytes/", "/transformers/", "/accelerate/", "/torch/distributed/")
@@ -227,7 +234,7 @@ def table(memory: dict) -> str:
     gib = 2**30
     cuda = memory["kind"] == "cuda"
     plan = memory.get("plan") or {}
-    lines = ["phase    peak allocated   peak reserved   plan" if cuda else "phase    peak RSS        plan"]
+    lines = ["phase      peak allocated   peak reserved   plan" if cuda else "phase      peak RSS        plan"]
     for name in PHASES:
         per_rank = [r["phases"][name] for r in memory["ranks"] if name in r["phases"]]
         if not per_rank:
@@ -236,8 +243,8 @@ def table(memory: dict) -> str:
         if cuda:
             a = max(p["peak_allocated"] for p in per_rank) / gib
             r = max(p["peak_reserved"] for p in per_rank) / gib
-            lines.append(f"{name:<8} {a:>10.2f} GiB  {r:>10.2f} GiB  {planned_here}".rstrip())
+            lines.append(f"{name:<10} {a:>10.2f} GiB  {r:>10.2f} GiB  {planned_here}".rstrip())
         else:
             v = max((p["peak_rss"] or 0) for p in per_rank) / gib
-            lines.append(f"{name:<8} {v:>10.2f} GiB  {planned_here}".rstrip())
+            lines.append(f"{name:<10} {v:>10.2f} GiB  {planned_here}".rstrip())
     return "\n".join(lines)

@@ -5,9 +5,10 @@ resolved recipe, the data stats and the memory plan, flattened to dotted keys an
 thing a run writes. Rank 0 only: Accelerate starts and logs trackers on the main process.
 
 A run that resumes from a checkpoint continues the same tracker run: the run ids are kept in
-RUN_DIR/trackers.json (W&B: the run id, resumed with resume="allow"; MLflow: the run id). TensorBoard
-writes RUN_DIR/tensorboard/<project>/ and purges, on resume, the events after the resumed step (as
-metrics.jsonl drops those lines): its `purge_step`. A run that starts from step 0 starts new tracker runs.
+RUN_DIR/trackers.json (W&B: the run id, resumed with resume="allow"; MLflow: the run id), which the run's
+Resume reads back (finetune.train.keepers.resume) and hands to `Trackers`. TensorBoard writes
+RUN_DIR/tensorboard/<project>/ and purges, on resume, the events after the resumed step (as metrics.jsonl
+drops those lines): its `purge_step`. A run that starts from step 0 starts new tracker runs.
 """
 from __future__ import annotations
 
@@ -106,11 +107,13 @@ class Trackers:
     """The run's trackers on an Accelerator built with `accelerator_kwargs`; every method is a no-op
     when output.report_to is empty."""
 
-    def __init__(self, acc, recipe, run_dir: Path, stats: dict, step: int, resumed: bool):
+    def __init__(self, acc, recipe, run_dir: Path, stats: dict, step: int, kept_ids: dict | None):
+        """`kept_ids`: the run ids a resumed run kept (RUN_DIR/trackers.json, read by its Resume:
+        finetune.train.keepers.resume); None for a run from step 0, which is a new tracker run."""
         self.acc, self.names = acc, list(recipe.output.report_to)
         if not self.names:
             return
-        state = read_state(run_dir) if resumed else {}  # a run from step 0 is a new tracker run
+        resumed, state = kept_ids is not None, kept_ids or {}
         kw = init_kwargs(self.names, run_dir, state, step)
         acc.init_trackers(PROJECT, config=None, init_kwargs=kw)
         if not acc.is_main_process:
