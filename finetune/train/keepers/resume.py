@@ -69,10 +69,6 @@ class Resume:
             log.info(f"resume: {line}")
         return cls(run_dir, path, manifest)
 
-    @property
-    def fresh(self) -> bool:
-        return self.path is None
-
     def adapter_into(self, model: torch.nn.Module) -> None:
         """The checkpoint's adapter weights into the unwrapped PeftModel (every rank loads the full tensors;
         the wrap then shards them). Replaces lora.init_adapter's, which a fresh run starts from."""
