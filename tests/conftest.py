@@ -7,6 +7,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+pytest_plugins = ["tests.durations"]  # --durations-file: where the suite's time goes (CI keeps it)
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():

@@ -1,0 +1,76 @@
+"""Where the suite's time goes, kept in a file: `--durations-file PATH` writes every test's setup, call and
+teardown seconds, and the seconds each fixture's setup took (charged to the test that first needed it), as
+JSON. `scripts/test_durations.py PATH` sums them per module and per fixture.
+
+Works with pytest-xdist: fixture times are measured where the fixture runs (a worker) and travel to the
+controller on the setup report's `user_properties`, which xdist serializes with every report.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+_current: dict = {}  # the test whose setup is running now, and the fixtures it has set up so far
+
+
+def pytest_addoption(parser):
+    parser.addoption("--durations-file", metavar="PATH", default=None,
+                     help="write each test's setup/call/teardown seconds and each fixture's setup seconds to "
+                          "PATH (JSON; scripts/test_durations.py sums it)")
+
+
+def pytest_configure(config):
+    path = config.getoption("--durations-file")
+    if path and not hasattr(config, "workerinput"):  # the controller (or a plain run) writes the file
+        config.pluginmanager.register(DurationsFile(Path(path)), "finetune-durations-file")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    _current.update(nodeid=item.nodeid, fixtures=[])
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    t0 = time.perf_counter()
+    yield
+    if _current:
+        _current["fixtures"].append([fixturedef.argname, fixturedef.scope, round(time.perf_counter() - t0, 4)])
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "setup" and _current.get("nodeid") == item.nodeid:
+        outcome.get_result().user_properties.append(("fixture_setup", list(_current["fixtures"])))
+        _current.clear()
+
+
+class DurationsFile:
+    def __init__(self, path: Path):
+        self.path, self.tests, self.t0 = path, {}, time.time()
+
+    def pytest_runtest_logreport(self, report):
+        node = getattr(report, "node", None)  # xdist: the worker that ran it
+        rec = self.tests.setdefault(report.nodeid, {"setup": 0.0, "call": 0.0, "teardown": 0.0, "outcome": "passed",
+                                                    "fixtures": [], "worker": node.gateway.id if node else "main"})
+        rec[report.when] = round(report.duration, 4)
+        if report.outcome != "passed" and rec["outcome"] == "passed":
+            rec["outcome"] = report.outcome
+        for key, value in report.user_properties:
+            if key == "fixture_setup":
+                rec["fixtures"] = value
+
+    def pytest_sessionfinish(self, session):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        workers = sorted({t["worker"] for t in self.tests.values()})
+        data = {"wall_s": round(time.time() - self.t0, 1), "workers": workers, "tests": self.tests}
+        self.path.write_text(json.dumps(data, indent=1) + "\n")
+
+    def pytest_terminal_summary(self, terminalreporter):
+        terminalreporter.write_line(f"per-test durations of {len(self.tests)} tests: {self.path} "
+                                    f"(python scripts/test_durations.py {self.path})")
