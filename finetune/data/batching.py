@@ -3,11 +3,11 @@ examples per row, kept apart by position_ids that restart at 0), and the stats t
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
 
+from finetune.data.bars import datasets_bars
 from finetune.data.encode import IGNORE
 from finetune.data.examples import lengths_of, reorder
 from finetune.util.log import log
@@ -28,21 +28,6 @@ def packing_layout(packing: bool, attn_implementation: str) -> str | None:
         log.info(f"data: packing is not supported with attention '{attn_implementation}' (documents would see "
                  "each other); using dynamic padding instead")
     return layout
-
-
-@contextlib.contextmanager
-def _quiet():
-    """Hide datasets' progress bars for internal, fast passes (packing runs every epoch)."""
-    import datasets
-
-    was = datasets.is_progress_bar_enabled()
-    if was:
-        datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was:
-            datasets.enable_progress_bars()
 
 
 def _right_pad(items: list[dict], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +82,7 @@ def pack(examples, max_len: int) -> list[dict]:
     ds = Dataset.from_dict({"input_ids": [e["input_ids"][:max_len] for e in examples],
                             "labels": [e["labels"][:max_len] for e in examples],
                             "doc": [[i] * min(len(e["input_ids"]), max_len) for i, e in enumerate(examples)]})
-    with _quiet():
+    with datasets_bars(show=False):
         cols = pack_dataset(ds, max_len, strategy="bfd", map_kwargs={"batch_size": len(ds)}).to_dict()
     rows = []
     for ids, labels, docs, lengths in zip(cols["input_ids"], cols["labels"], cols["doc"], cols["seq_lengths"]):
@@ -216,7 +201,7 @@ def packed_lengths(lengths, max_len: int) -> list[int]:
             continue
         docs = pa.ListArray.from_arrays(pa.array(np.concatenate([[0], np.cumsum(n)]).astype(np.int32)),
                                         pa.array(np.repeat(np.arange(len(n), dtype=np.int32), n)))
-        with _quiet():
+        with datasets_bars(show=False):
             packed = pack_dataset(Dataset.from_dict({"input_ids": docs}), max_len, strategy="bfd",
                                   map_kwargs={"batch_size": len(n)})
         col = packed.with_format("arrow")[:]["input_ids"].combine_chunks()

@@ -16,6 +16,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from finetune.data.bars import datasets_bars
 from finetune.data.encode import ENCODER_VERSION, IGNORE, chat_layout, chat_template, encode_all
 from finetune.data.examples import Examples, scan
 from finetune.data.explain import length_figures, length_lines
@@ -119,20 +120,24 @@ def encode_cached(rows: Rows, order: array, tok, spec: DataSpec, what: str):
         unusable = probe_writable(cache.parent)
     except OSError as e:
         unusable = e.strerror or str(e)
-    if unusable:  # a read-only or misplaced cache costs the cache, not the run
-        from finetune.util.log import log
+    from finetune.util.log import log
 
+    if unusable:  # a read-only or misplaced cache costs the cache, not the run
         log.warning(f"data cache: cannot write to {cache.parent} ({unusable}); tokenizing without a cache (set "
                     "FINETUNE_CACHE to a writable directory)")
     elif cache.exists():
         os.utime(cache)  # recently used: kept by the pruning below
+    if unusable or not cache.exists():  # the work a bar shows on a terminal, said once in a log too
+        kept = "" if unusable else f" (kept in {cache.parent} for the next run)"
+        log.info(f"data: tokenizing {len(order):,} {what} rows{kept}")
     ds = datasets.Dataset.from_dict({"n": np.frombuffer(order, dtype=np.int64)})
     # Without a cache the examples stay in memory (keep_in_memory): Arrow buffers, not Python lists, so
     # still compact, but on the heap rather than memory-mapped.
-    out = ds.map(_encode_batch, batched=True, with_indices=True, batch_size=WRITER_BATCH, writer_batch_size=WRITER_BATCH,
-                 fn_kwargs={"tok": tok, "spec": spec, "rows": rows}, remove_columns=["n"], features=_features(),
-                 cache_file_name=None if unusable else str(cache), keep_in_memory=bool(unusable),
-                 new_fingerprint=key, desc=f"tokenizing {what} rows")
+    with datasets_bars():  # on a terminal only: a log or a captured stderr gets no bar frames
+        out = ds.map(_encode_batch, batched=True, with_indices=True, batch_size=WRITER_BATCH, writer_batch_size=WRITER_BATCH,
+                     fn_kwargs={"tok": tok, "spec": spec, "rows": rows}, remove_columns=["n"], features=_features(),
+                     cache_file_name=None if unusable else str(cache), keep_in_memory=bool(unusable),
+                     new_fingerprint=key, desc=f"tokenizing {what} rows")
     if not unusable:
         _USED.add(cache)
         prune_cache(cache.parent, _USED, data_cache_cap())
