@@ -10,6 +10,28 @@ sys.path.insert(0, str(ROOT))
 pytest_plugins = ["tests.durations"]  # --durations-file: where the suite's time goes (CI keeps it)
 
 
+def once_per_run(tmp_path_factory, name: str, build) -> Path:
+    """A directory that `build(path)` fills once per pytest run, for the expensive runs whose results many
+    tests only read. Under pytest-xdist every worker has its own session, so the first worker to ask builds it
+    under a file lock in the directory the workers share, and the others wait for it and read the same files.
+    A build that raises leaves nothing marked done: the next asker builds again (and fails the same way)."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-USER/pytest-N/: one per run, shared by its workers
+    path, done = root / f"shared-{name}", root / f"shared-{name}.done"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not done.exists():
+            import shutil
+
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir()
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir():
     from finetune.util import builtin as tiny

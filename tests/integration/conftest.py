@@ -56,14 +56,38 @@ def qlora_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory):
-    """A finished run dir of the tiny recipe as `finetune` writes it: 3 steps, a checkpoint after each."""
-    from tests.conftest import run_cli
+    """A finished run dir of the tiny recipe as `finetune` writes it: 3 steps, a checkpoint after each (one
+    run per test run, shared by the workers; tests that change it take the `run` fixture's copy)."""
+    from tests.conftest import once_per_run, run_cli
 
-    run = tmp_path_factory.mktemp("trained") / "run"
-    p = run_cli(["recipes/tiny_cpu.yaml", "train.max_steps=3", "train.warmup_steps=0", "train.save_every=1",
-                 "train.keep_checkpoints=3", f"output.dir={run}"])
-    assert p.returncode == 0, p.stderr
-    return run
+    def build(root):
+        p = run_cli(["recipes/tiny_cpu.yaml", "train.max_steps=3", "train.warmup_steps=0", "train.save_every=1",
+                     "train.keep_checkpoints=3", f"output.dir={root / 'run'}"])
+        assert p.returncode == 0, p.stderr
+
+    return once_per_run(tmp_path_factory, "trained-run", build) / "run"
+
+
+@pytest.fixture(scope="session")
+def embedded_default(tmp_path_factory):
+    """The README's first command, once per test run, on an empty cache as on a fresh clone: train
+    recipes/tiny_cpu.yaml as it ships (its progress bar off), then `finetune eval RUN_DIR --json`. Returns {"run": the run dir, "train"/"eval": {"returncode",
+    "stdout", "stderr"}}; the tests that read it check the return codes themselves."""
+    import json
+
+    from tests.conftest import once_per_run, run_cli
+
+    def build(root):
+        run, fresh = root / "tiny_cpu", {"FINETUNE_CACHE": str(root / "cache")}  # a fresh clone's empty cache
+        trained = run_cli(["recipes/tiny_cpu.yaml", f"output.dir={run}", "output.progress_bar=false"], timeout=1500,
+                          env=fresh)
+        scored = run_cli(["eval", str(run), "--json"], env=fresh) if trained.returncode == 0 else trained
+        (root / "commands.json").write_text(json.dumps(
+            {name: {"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+             for name, p in (("train", trained), ("eval", scored))}))
+
+    root = once_per_run(tmp_path_factory, "embedded-default", build)
+    return {"run": root / "tiny_cpu", **json.loads((root / "commands.json").read_text())}
 
 
 @pytest.fixture

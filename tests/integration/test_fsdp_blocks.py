@@ -70,7 +70,8 @@ def runs(tmp_path_factory):
             else:
                 config = out / "accelerate_fsdp1.yaml"
                 config.write_text(ACCELERATE_FSDP1)
-                launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+                launch = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0",
+                          "--config_file", str(config)]
                 cache[name] = _run(out, launch, 2, "--strategy", "fsdp", "--version", "1", "--micro-batch", "4")
         return cache[name]
 

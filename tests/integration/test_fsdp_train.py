@@ -22,7 +22,7 @@ COMMON = [f"train.max_steps={STEPS}", f"train.save_every={SAVE}", "train.log_eve
 
 
 def launch(run_dir, version, extra=()):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "cpu_fsdp.yaml"),
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--config_file", str(ROOT / "configs" / "cpu_fsdp.yaml"),
            "--fsdp_version", str(version), "--num_processes", "2", "-m", "finetune",
            str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), f"fsdp.version={version}", f"output.dir={run_dir}",
            *COMMON, *extra]

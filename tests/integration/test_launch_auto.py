@@ -30,7 +30,7 @@ def accelerate_launch(tmp_path, flags, run_dir, extra):
     home.mkdir(exist_ok=True)
     env = dict(os.environ, HF_HOME=str(home), XDG_CACHE_HOME=str(home), OMP_NUM_THREADS="1")
     env.pop("ACCELERATE_CONFIG_FILE", None)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *flags, "-m", "finetune",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *flags, "--main_process_port", "0", "-m", "finetune",
            str(ROOT / "recipes" / "tiny_cpu.yaml"), f"output.dir={run_dir}", *COMMON, *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert not list(home.rglob("default_config.*"))  # really no config anywhere

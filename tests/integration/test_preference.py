@@ -65,7 +65,7 @@ def test_two_process_ddp_matches_one_process(tmp_path, tmp_path_factory):
     extra = STRICT + PREF + ["train.method=dpo"]
     single = single_run(tmp_path_factory, extra + ["train.save_every=null"])
     run = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "-m", "finetune",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--multi_gpu", "--num_processes", "2", "-m", "finetune",
            str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), "distributed.strategy=ddp", f"output.dir={run}", *COMMON, *extra]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
