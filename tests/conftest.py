@@ -7,6 +7,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # The workers share the machine's cores: one compute thread each, in this process and every process it
+    # starts (set before torch is imported; tests that compare runs already pin OMP_NUM_THREADS=1).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 pytest_plugins = ["tests.durations"]  # --durations-file: where the suite's time goes (CI keeps it)
 
 
