@@ -16,12 +16,20 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "llama3_8b_qlora.
 
 
 def test_defaults_and_overrides():
-    a = gpu.parse_args(["recipes/llama3_8b_qlora.yaml", "train.micro_batch_size=2"])
-    assert (a.steps, a.warmup, a.json, a.peak_tflops) == (60, 10, False, None)
-    assert a.overrides == ["train.micro_batch_size=2"]
-    ov = gpu.bench_overrides(a, "/tmp/x")
-    assert ov[0] == "train.micro_batch_size=2"  # the user's first, ours after (ours win on conflicts)
-    assert "train.max_steps=70" in ov and "train.log_every=10" in ov and "output.dir=/tmp/x" in ov
+    """Without flags the run it trains loads and times something: a warm-up window, then at least one whole
+    window of timed steps, logged once a window, with no evaluation or checkpoint inside; the user's overrides
+    apply, and ours win where they clash."""
+    from finetune.recipe import load
+
+    a = gpu.parse_args([RECIPE, "train.micro_batch_size=2", "train.max_steps=5", "train.eval_every=1"])
+    rec = load(RECIPE, gpu.bench_overrides(a, "/tmp/x"))
+    t = rec.train
+    assert t.micro_batch_size == 2 and rec.output.dir == "/tmp/x"
+    # the first logged window is the warm-up, left out of the figures; the steps after it are the timed ones
+    timed = t.max_steps - t.log_every
+    assert timed == a.steps >= t.log_every and timed % t.log_every == 0, (t.max_steps, t.log_every, a.steps)
+    assert t.eval_every is None and t.save_every is None
+    assert gpu.peak_tflops("NVIDIA L4", a.peak_tflops) == 121.0  # no --peak-tflops: the GPU's name decides
 
 
 def test_timed_steps_round_up_to_whole_windows():
@@ -116,7 +124,9 @@ def test_report_puts_ours_next_to_published():
     text = gpu.report(_result())
     ours = next(line for line in text.splitlines() if line.startswith("| finetune"))
     assert "6.50 GiB / 7.00 GiB" in ours and "1,100" in ours and "RTX 4090" in ours
-    assert f"{100 * _result()['mfu']:.1f}%" in ours
+    mfu = next(line for line in gpu.report(_result(mfu=0.4567)).splitlines() if line.startswith("| finetune"))
+    mfu = mfu.split("|")[-2]  # the last column: MFU (and HFU) in percent
+    assert float(mfu.split("%")[0]) == pytest.approx(45.67, abs=0.05), mfu
     published = next(line for line in text.splitlines() if line.startswith("| torchtune"))
     assert "7.4 GiB" in published and "2,413" in published and "Llama 3.1 8B" in published
     assert "sequence length 2048" in text and "commit `abc123`" in text
