@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.gpu import measure as gpu
 from finetune.plan.archs import from_config
-from finetune.util.errors import RecipeError
+from finetune.util.errors import RecipeError, RunError
 
 TINY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384, "tie_word_embeddings": False}
@@ -68,6 +68,17 @@ def test_main_without_gpu_exits_2_with_a_message(capsys, tmp_path):
     assert gpu.main([RECIPE, "--out", str(out)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_main_exits_3_when_the_run_itself_stops(monkeypatch, capsys, tmp_path):
+    """A valid recipe whose training cannot go on (diverged, run dir in use): finetune's exit 3, not bad input."""
+    def stopped(a, argv, run_dir):  # the training, on a machine this test does not have
+        raise RunError(["train.learning_rate: training diverged at step 3"])
+    monkeypatch.setattr(gpu, "gpu_available", lambda: True)
+    monkeypatch.setattr(gpu, "measure", stopped)
+    assert gpu.main([RECIPE, "--out", str(tmp_path / "R.md")]) == 3
+    err = capsys.readouterr().err
+    assert "diverged at step 3" in err and "Traceback" not in err and not (tmp_path / "R.md").exists()
 
 
 @pytest.mark.parametrize("name,peak", [("NVIDIA GeForce RTX 4090", 165.2), ("NVIDIA H100 PCIe", 756.0),
