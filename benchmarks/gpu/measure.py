@@ -25,7 +25,7 @@ from pathlib import Path
 
 from benchmarks import flops as F
 from benchmarks.common import commit, now, read_jsonl, steady_rate, versions
-from finetune.util.errors import RecipeError
+from finetune.util.errors import RecipeError, RunError
 
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "RESULTS_GPU_BENCH.md"
 GIB = 2**30
@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as e:  # e.g. the run dir already holds checkpoints
         print(e.render(), file=sys.stderr)
         return 2
+    except RunError as e:  # the training itself stopped (diverged, run dir in use, GPU unusable): finetune's exit 3
+        print(e.render(), file=sys.stderr)
+        return 3
     if result is None:
         return 0
     a.out.write_text(report(result))

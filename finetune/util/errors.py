@@ -2,7 +2,8 @@
 
 Exit codes: 0 ok, 2 bad input (recipe, data, arguments: `RecipeError`, rendered without a traceback),
 3 a run that cannot go on although its input is valid (`RunError`: training diverged, the output dir is
-in use by another run, a GPU is installed but unusable; rendered the same way), 1 anything else
+in use by another run, a GPU is installed but unusable, the export's quantizer is missing; also rendered
+without a traceback, and not a RecipeError), 1 anything else
 (`OutputWriteError` is rendered as one line: what failed and what was kept), 130 when interrupted. `exit_code` applies them to an entry function (the CLI's dispatch).
 """
 from __future__ import annotations
@@ -14,8 +15,11 @@ from typing import Callable, Literal
 from pydantic import BaseModel
 
 
-class RecipeError(Exception):
-    """Bad input (recipe, overrides, data or arguments). The CLI prints `problems` and exits 2."""
+class ProblemsError(Exception):
+    """What RecipeError and RunError share: a list of `problems` (with an optional `source`, a `total` when
+    only the first few are listed, and `notes` after the list) that an entry point prints without a
+    traceback. Neither is the other: `except RecipeError` never catches a RunError, so bad input (2) and a
+    run that cannot go on (3) are told apart wherever they are caught."""
 
     def __init__(self, problems: list[str], source: str | None = None, total: int | None = None,
                  notes: tuple[str, ...] = ()):
@@ -25,6 +29,10 @@ class RecipeError(Exception):
         self.source, self.total, self.notes = source, max(total or 0, len(self.problems)), tuple(notes)
         head = f"{source}: " if source else ""
         super().__init__(head + "; ".join(self.problems + list(self.notes)))
+
+
+class RecipeError(ProblemsError):
+    """Bad input (recipe, overrides, data or arguments). The CLI prints `problems` and exits 2."""
 
     def render(self) -> str:
         where = f"{self.source}: " if self.source else ""
@@ -37,10 +45,10 @@ class RecipeError(Exception):
         return "\n".join(lines)
 
 
-class RunError(RecipeError):
-    """The input is valid but the run cannot go on (diverged, output dir in use, GPU unusable): exit 3, so
-    a scheduler can tell it from bad input (2, fix the recipe) and from a crash (1). A subclass of
-    RecipeError only to share its rendering; `exit_code` checks it first."""
+class RunError(ProblemsError):
+    """The input is valid but the run cannot go on (diverged, output dir in use, GPU unusable, the export's
+    quantizer missing): exit 3, so a scheduler can tell it from bad input (2, fix the recipe) and from a
+    crash (1). Not a RecipeError: a handler of bad input does not swallow it."""
 
     def render(self) -> str:
         n = len(self.problems)

@@ -1,6 +1,7 @@
 """The adapter methods trained for real on the builtin tiny model: each reaches plain LoRA's
-held-out loss (within 10%, on one process and on 2-process FSDP2 for DoRA), its adapter reloads in plain
-peft with the logits of the model that trained, and a DoRA run merges with fp32 parity."""
+held-out loss (at most 10% above it, not implausibly below, and well below the untrained base's, on one
+process and on 2-process FSDP2 for DoRA) with an adapter of its own, its adapter reloads in plain peft with the logits of the model
+that trained, and a DoRA run merges with fp32 parity."""
 from __future__ import annotations
 
 import json
@@ -54,10 +55,47 @@ def trained(tmp_path_factory):
     return _Runs(tmp_path_factory.mktemp("methods"))
 
 
+@pytest.fixture(scope="module")
+def base_eval_loss(trained):
+    """The held-out loss of the untrained model, scored as `finetune eval` scores the base: plain LoRA's model
+    with its adapter disabled (the frozen 4-bit base; a fresh adapter changes nothing, lora_B being zero and
+    DoRA's magnitudes the base's norms), on the runs' held-out rows, with the recipe the run resolved."""
+    from finetune.data.prepare import prepare
+    from finetune.train.inference import heldout_loss
+    from finetune.weights.load.resolve import load_tokenizer
+
+    run_dir, result = trained["lora"]
+    recipe = R.load(run_dir / "recipe.yaml")
+    model = result["model"].eval()
+    with model.disable_adapter():
+        return heldout_loss(model, prepare(recipe.data, load_tokenizer(recipe.model)).eval, recipe)
+
+
+def reaches(loss: float, lora_loss: float) -> bool:
+    """Plain LoRA's held-out loss, give or take: at most 10% above it, and not below 0.6x of it (rsLoRA's and
+    LoRA+'s larger effective steps are measured at 0.75x and 0.83x after 40 steps; far below would be another
+    eval, not a better method)."""
+    return 0.6 * lora_loss <= loss <= 1.10 * lora_loss
+
+
+def adapter_weights(run_dir) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+
+
 @pytest.mark.parametrize("name", [m for m in METHODS if m != "lora"])
-def test_each_method_reaches_plain_lora_eval_loss(trained, name):
+def test_each_method_reaches_plain_lora_eval_loss(trained, base_eval_loss, name):
     lora_loss, loss = trained["lora"][1]["eval_loss"], trained[name][1]["eval_loss"]
-    assert loss <= 1.10 * lora_loss, (name, loss, lora_loss)
+    assert base_eval_loss - lora_loss > 1.0, (lora_loss, base_eval_loss)  # plain LoRA trained (5.00 -> 2.67)
+    assert reaches(loss, lora_loss), (name, loss, lora_loss)
+    # trained: at least half of plain LoRA's way down from the untrained model
+    assert base_eval_loss - loss >= 0.5 * (base_eval_loss - lora_loss), (name, loss, lora_loss, base_eval_loss)
+    # ... by training differently: the same seed and data with plain LoRA's update would give its A and B
+    mine, plain = adapter_weights(trained[name][0]), adapter_weights(trained["lora"][0])
+    assert plain.keys() <= mine.keys()
+    diff = max(float((mine[k] - plain[k]).norm() / plain[k].norm()) for k in plain if "lora_B" in k)
+    assert diff > 0.05, (name, diff)
 
 
 @pytest.mark.parametrize("name", list(METHODS))
@@ -135,9 +173,12 @@ def test_dora_under_fsdp2_trains_like_plain_lora_and_reloads_in_peft(trained, tm
     from finetune.train.inference import run_eval
 
     run = tmp_path / "fsdp2-dora"
-    sharded = _launch_dora(run, 2, "lora.loraplus_lr_ratio=2")
-    assert sharded <= 1.10 * trained["lora"][1]["eval_loss"]
-    reloaded = run_eval(run)  # plain peft over the 4-bit base, on one process
+    # plain LoRA's held-out rows as its runs render them (the FSDP recipe trains the raw layout): the same
+    # eval, or the losses are not comparable
+    sharded = _launch_dora(run, 2, "lora.loraplus_lr_ratio=2", "data.prompt_template=auto")
+    reloaded = run_eval(run)  # plain peft over the 4-bit base, on one process (and the base alone)
+    assert reaches(sharded, trained["lora"][1]["eval_loss"]), (sharded, trained["lora"][1]["eval_loss"])
+    assert reloaded["base_eval_loss"] - sharded > 1.0, reloaded  # trained, from the same rows' untrained loss
     assert reloaded["eval_loss"] == pytest.approx(sharded, rel=1e-3)
 
 

@@ -4,7 +4,7 @@
   one checkpoint together, each exits 0, and so does the launcher, within 60 s.
 - Re-running resumes from it; Ctrl-C (SIGINT to the launcher and the ranks, as a terminal sends it) then
   stops the resumed run the same way, at a later step.
-- SIGKILL of one rank: the job exits non-zero within the documented bound (docs/robustness.md) and no
+- SIGKILL of one rank: the job exits 1 (the launcher's ChildFailedError) within the documented bound (docs/robustness.md) and no
   process is left behind; the checkpoints on disk stay complete.
 """
 from __future__ import annotations
@@ -93,7 +93,8 @@ def test_preemption_resume_and_a_dying_rank(tmp_path):
     code = proc.wait(timeout=DYING_RANK_BOUND + 60)
     elapsed = time.monotonic() - t0
     text = (tmp_path / "c.log").read_text()
-    assert code != 0 and elapsed < DYING_RANK_BOUND, (code, elapsed, text[-3000:])
+    # 1: the launcher's ChildFailedError, uncaught (accelerate re-raises torchrun's); not a rank's own exit code
+    assert code == 1 and elapsed < DYING_RANK_BOUND, (code, elapsed, text[-3000:])
     assert "ChildFailedError" in text
     for r in ranks.values():
         assert not r.is_running() or r.status() == "zombie", r

@@ -1,5 +1,5 @@
 """A run whose gradients are infinite from the first step (lora.alpha 1e30 makes the adapter's update overflow)
-stops with exit 2 naming the step, saves nothing of it and exports no adapter; with clipping off, the
+stops with exit 3 (a run error, not bad input) naming the step, saves nothing of it and exports no adapter; with clipping off, the
 trained weights themselves are checked."""
 from types import SimpleNamespace
 
@@ -9,7 +9,7 @@ import yaml
 
 from finetune import cli
 from finetune.train.guard import assert_finite_adapter, check_step
-from finetune.util.errors import RecipeError
+from finetune.util.errors import RunError
 
 pytestmark = pytest.mark.slow
 
@@ -35,13 +35,13 @@ def test_without_clipping_the_trained_weights_are_checked():
     check_step(run, 1.5, None)  # finite: nothing happens
     with torch.no_grad():
         model.weight[0, 0] = float("inf")
-    with pytest.raises(RecipeError, match="diverged at step 3"):
+    with pytest.raises(RunError, match="diverged at step 3"):
         check_step(run, 1.5, None)
     model.weight.requires_grad_(False)  # frozen weights are not the adapter's business
     check_step(run, 1.5, None)
 
 
 def test_a_non_finite_adapter_is_never_published():
-    with pytest.raises(RecipeError, match="NaN/inf"):
+    with pytest.raises(RunError, match="NaN/inf"):
         assert_finite_adapter({"a.lora_A.weight": torch.ones(2), "a.lora_B.weight": torch.tensor([1.0, float("nan")])})
     assert_finite_adapter({"a.lora_A.weight": torch.ones(2)})

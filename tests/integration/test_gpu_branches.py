@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from unittest import mock
 
 import pytest
 import torch
@@ -157,15 +156,10 @@ def _eval_loss(model, tok):
     # No autocast: torch has none for the meta device (a GPU run autocasts on "cuda", the model's device type).
     r = load(ROOT / "recipes" / "tiny_cpu.yaml", ["data.sources=[{path: 'builtin:tiny-instruct', max_samples: 8}]",
                                                   "train.mixed_precision=no"])
-    batches = prepare(r.data, tok).eval[:4]
-
-    def loss_spy(model, batch, *args, **kwargs):
-        # The loss indexes the labels before the forward, which meta tensors cannot do: record what the
-        # loss is handed (after loss_totals' move) the way the model records its inputs.
-        model._record(**batch)
-
-    with mock.patch("finetune.train.loss.token_loss_sum", loss_spy):
-        heldout_loss(model, batches, r)
+    # The real path: heldout_loss -> loss_totals -> token_loss_sum, up to the model's forward. What depends
+    # on the labels' values (rows, targets) is worked out on the host before the move (loss.device_batch),
+    # so nothing reads a meta tensor's values before the model records its inputs.
+    heldout_loss(model, prepare(r.data, tok).eval[:4], r)
 
 
 def _merge_check(model, tok):
@@ -187,11 +181,13 @@ def test_inputs_are_moved_to_the_models_device(call, tok):
 # Devices
 
 
-def test_gpu_present_but_unusable_is_refused_with_the_reason(monkeypatch):
+def test_gpu_present_but_unusable_is_refused_with_the_reason(monkeypatch, capsys, tmp_path):
+    from finetune import cli
     from finetune.recipe import DistributedSpec, FsdpSpec
-    from finetune.train import parallel as distributed
     from finetune.train import machine as device
-    from finetune.util.errors import RecipeError
+    from finetune.train import parallel as distributed
+    from finetune.train import preflight
+    from finetune.util.errors import RunError, exit_code
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert cuda_unusable_reason(nodes=[]) is None  # no GPU installed: CPU training is the plan
@@ -200,10 +196,28 @@ def test_gpu_present_but_unusable_is_refused_with_the_reason(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "-1")
     assert cuda_unusable_reason(nodes=["/dev/nvidia0"]) is None  # hidden on purpose
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    # make_accelerator stops (exit 2 through RecipeError) instead of training on the CPU.
+    # make_accelerator stops (exit 3 through RunError: the recipe is fine, this machine is not) instead of
+    # training on the CPU.
     monkeypatch.setattr(device, "gpu_device_nodes", lambda: ["/dev/nvidia0"])
-    with pytest.raises(RecipeError, match="GPU is installed"):
+
+    def accelerator(argv):
         distributed.make_accelerator(DistributedSpec(strategy="single"), FsdpSpec(), TrainSpec(), "float32")
+
+    with pytest.raises(RunError, match="GPU is installed"):
+        accelerator([])
+    assert exit_code(accelerator, []) == 3
+    assert "GPU is installed" in capsys.readouterr().err
+    # The train verb's preflight finds it first, before any weights load: exit 3 too (bad input would be 2).
+    monkeypatch.setattr(preflight, "gpu_nodes_present", lambda: True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the verb sets it for the process; the monkeypatch restores it
+    tiny = str(ROOT / "recipes" / "tiny_cpu.yaml")
+    assert cli.main([tiny, f"output.dir={tmp_path / 'run'}"]) == 3
+    err = capsys.readouterr().err
+    assert "/dev/nvidia0" in err and "Traceback" not in err and not (tmp_path / "run").exists()
+    # ... unless the recipe is wrong as well: bad input comes first (2), naming both
+    assert cli.main([tiny, f"output.dir={tmp_path / 'run'}", "distributed.backend=nccl"]) == 2
+    err = capsys.readouterr().err
+    assert "distributed.backend" in err and "/dev/nvidia0" in err
 
 
 def test_broken_flash_attn_falls_back_to_sdpa_with_the_reason(tmp_path, monkeypatch, capsys):

@@ -13,6 +13,7 @@ from finetune import recipe as R
 from finetune.train import loop, refpolicy
 from finetune.train.gather import gather_full_adapter_state
 from finetune.train.keepers import resume as resume_mod
+from finetune.util.errors import RunError
 
 pytestmark = pytest.mark.slow
 
@@ -136,5 +137,5 @@ def test_a_resumed_dpo_run_reads_its_reference_log_probs(tmp_path, monkeypatch):
     assert [list(e["ref"]) for e in run.prepared.eval] == stored["eval"]
     # ... and without the file a resumed DPO run refuses to start rather than recompute them
     (run_dir / refpolicy.FILE).unlink()
-    with pytest.raises(Exception, match="reference log-probs of a resumed DPO run cannot be recomputed"):
+    with pytest.raises(RunError, match="reference log-probs of a resumed DPO run cannot be recomputed"):
         loop.train(recipe, run_dir)

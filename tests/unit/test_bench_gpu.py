@@ -7,7 +7,7 @@ import pytest
 
 from benchmarks.gpu import measure as gpu
 from finetune.plan.archs import from_config
-from finetune.util.errors import RecipeError
+from finetune.util.errors import RecipeError, RunError
 
 TINY = {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 384, "tie_word_embeddings": False}
@@ -16,12 +16,20 @@ RECIPE = str(Path(__file__).resolve().parents[2] / "recipes" / "llama3_8b_qlora.
 
 
 def test_defaults_and_overrides():
-    a = gpu.parse_args(["recipes/llama3_8b_qlora.yaml", "train.micro_batch_size=2"])
-    assert (a.steps, a.warmup, a.json, a.peak_tflops) == (60, 10, False, None)
-    assert a.overrides == ["train.micro_batch_size=2"]
-    ov = gpu.bench_overrides(a, "/tmp/x")
-    assert ov[0] == "train.micro_batch_size=2"  # the user's first, ours after (ours win on conflicts)
-    assert "train.max_steps=70" in ov and "train.log_every=10" in ov and "output.dir=/tmp/x" in ov
+    """Without flags the run it trains loads and times something: a warm-up window, then at least one whole
+    window of timed steps, logged once a window, with no evaluation or checkpoint inside; the user's overrides
+    apply, and ours win where they clash."""
+    from finetune.recipe import load
+
+    a = gpu.parse_args([RECIPE, "train.micro_batch_size=2", "train.max_steps=5", "train.eval_every=1"])
+    rec = load(RECIPE, gpu.bench_overrides(a, "/tmp/x"))
+    t = rec.train
+    assert t.micro_batch_size == 2 and rec.output.dir == "/tmp/x"
+    # the first logged window is the warm-up, left out of the figures; the steps after it are the timed ones
+    timed = t.max_steps - t.log_every
+    assert timed == a.steps >= t.log_every and timed % t.log_every == 0, (t.max_steps, t.log_every, a.steps)
+    assert t.eval_every is None and t.save_every is None
+    assert gpu.peak_tflops("NVIDIA L4", a.peak_tflops) == 121.0  # no --peak-tflops: the GPU's name decides
 
 
 def test_timed_steps_round_up_to_whole_windows():
@@ -60,6 +68,17 @@ def test_main_without_gpu_exits_2_with_a_message(capsys, tmp_path):
     assert gpu.main([RECIPE, "--out", str(out)]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_main_exits_3_when_the_run_itself_stops(monkeypatch, capsys, tmp_path):
+    """A valid recipe whose training cannot go on (diverged, run dir in use): finetune's exit 3, not bad input."""
+    def stopped(a, argv, run_dir):  # the training, on a machine this test does not have
+        raise RunError(["train.learning_rate: training diverged at step 3"])
+    monkeypatch.setattr(gpu, "gpu_available", lambda: True)
+    monkeypatch.setattr(gpu, "measure", stopped)
+    assert gpu.main([RECIPE, "--out", str(tmp_path / "R.md")]) == 3
+    err = capsys.readouterr().err
+    assert "diverged at step 3" in err and "Traceback" not in err and not (tmp_path / "R.md").exists()
 
 
 @pytest.mark.parametrize("name,peak", [("NVIDIA GeForce RTX 4090", 165.2), ("NVIDIA H100 PCIe", 756.0),
@@ -116,7 +135,9 @@ def test_report_puts_ours_next_to_published():
     text = gpu.report(_result())
     ours = next(line for line in text.splitlines() if line.startswith("| finetune"))
     assert "6.50 GiB / 7.00 GiB" in ours and "1,100" in ours and "RTX 4090" in ours
-    assert f"{100 * _result()['mfu']:.1f}%" in ours
+    mfu = next(line for line in gpu.report(_result(mfu=0.4567)).splitlines() if line.startswith("| finetune"))
+    mfu = mfu.split("|")[-2]  # the last column: MFU (and HFU) in percent
+    assert float(mfu.split("%")[0]) == pytest.approx(45.67, abs=0.05), mfu
     published = next(line for line in text.splitlines() if line.startswith("| torchtune"))
     assert "7.4 GiB" in published and "2,413" in published and "Llama 3.1 8B" in published
     assert "sequence length 2048" in text and "commit `abc123`" in text
