@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HOLD_LIMIT = 600  # s: a child nobody signals gives up (exit 99) rather than outlive its test
+HOLD_LIMIT = 120  # s: a child nobody signals (its test failed) gives up, exit 99, rather than outlive the test
 
 
 @dataclass(frozen=True)
