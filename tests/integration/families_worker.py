@@ -5,12 +5,15 @@ launch for all families keeps the CI cost to one interpreter start per rank.
 
     torchrun --nproc_per_node 2 families_worker.py OUT FAMILY [FAMILY ...]
 
-Rank 0 writes OUT/FAMILY.json: the two runs' final steps, and whether the output head stayed the input
-embedding (tied families) on the FSDP-wrapped model.
+Rank 0 writes OUT/FAMILY.json: the two runs' final steps, what the second run said it resumed from and
+which steps it trained (its metrics lines), and whether the output head stayed the input embedding (tied
+families) on the FSDP-wrapped model.
 """
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sys
 from pathlib import Path
 
@@ -28,6 +31,17 @@ def tied_on_wrapped_model(model) -> bool:
     return base.get_output_embeddings().weight is base.get_input_embeddings().weight
 
 
+class Said(logging.Handler):
+    """What a run logs (every rank's records; rank 0 keeps the facts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
 def run_family(family: str, out: Path) -> dict:
     from finetune.recipe import load
     from finetune.train.loop import train
@@ -37,7 +51,14 @@ def run_family(family: str, out: Path) -> dict:
     for steps in (2, 3):
         recipe = load(ROOT / "recipes" / "tiny_cpu.yaml",
                       overrides(family, run_dir, steps) + ["distributed.strategy=fsdp", "fsdp.version=2"])
-        result = train(recipe, run_dir, return_model=True)
+        said = Said()
+        logging.getLogger("finetune").addHandler(said)
+        try:
+            result = train(recipe, run_dir, return_model=True)
+        finally:
+            logging.getLogger("finetune").removeHandler(said)
+        facts[f"resumed_{steps}"] = [m for m in said.lines if m.startswith("resume: from")]
+        facts[f"trained_{steps}"] = [int(n) for m in said.lines for n in re.findall(r"^step=(\d+) .*\bloss=", m)]
         facts[f"step_after_{steps}"] = result["step"]
         facts[f"loss_after_{steps}"] = result["loss"]
         if FAMILIES[family][3]:

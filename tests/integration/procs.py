@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -97,6 +98,17 @@ def wait_pid(pid: int, timeout: float) -> int:
         time.sleep(0.01)
 
 
+def end_child(pid: int) -> None:
+    """SIGKILL and reap a forked child if it still runs (its test failed while it ran)."""
+    try:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    except ChildProcessError:  # already reaped
+        pass
+    _reaped.pop(pid, None)
+
+
 def wait_for_first_metrics(run_dir: Path, is_running, timeout: float = 300, min_step: int = 1) -> float:
     """Block until metrics.jsonl holds a complete record of a step >= min_step (training has taken a
     step, or a resumed run a new one); returns the monotonic time then."""
@@ -111,6 +123,19 @@ def wait_for_first_metrics(run_dir: Path, is_running, timeout: float = 300, min_
             raise RuntimeError(f"the run ended before a metrics line of step {min_step} ({run_dir})")
         time.sleep(0.005)
     raise TimeoutError(f"no metrics line in {timeout} s ({run_dir})")
+
+
+def last_metrics_step(run_dir: Path) -> int:
+    """The step of the newest complete record in metrics.jsonl (0: none yet)."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text(errors="replace").split("\n")[:-1] if path.exists() else []
+    return max((json.loads(line).get("step", 0) for line in lines if line.strip()), default=0)
+
+
+def trained_steps(log_text: str) -> list[int]:
+    """The steps a run's output shows it trained (its printed metrics lines with a loss; log_every 1): for a
+    resumed run exactly the steps after its checkpoint, for a run that started over every step again."""
+    return [int(n) for n in re.findall(r"^step=(\d+) .*\bloss=", log_text, re.MULTILINE)]
 
 
 def rank_processes(launcher_pid: int) -> dict:

@@ -1,17 +1,18 @@
-"""Crash safety: SIGKILL at seeded random moments, then the same command again.
+"""Crash safety: SIGKILL at chosen moments of a run, then the same command again.
 
-20 trials on the tiny recipe (shortened with overrides). Each trial starts the run, waits for its first
-metrics line, kills it with SIGKILL after a seeded random delay (spread over the rest of the run: steps,
-checkpoint writes, the final eval and the adapter export), checks what is on disk, and re-runs the same
-command to the end. Every re-run must resume from the newest complete checkpoint and finish with the
-adapter of one uninterrupted run (relative difference <= 1e-4); no kill may leave a checkpoint that
-loads but is incomplete.
+Each trial starts the tiny recipe (shortened with overrides), which holds at its kill point
+(tests/killpoints.py): before the first step, between steps, after a metrics line, half-way through each
+kind of checkpoint file, with a checkpoint's manifest written but not renamed, after its rename before the
+prune, mid-prune, half-way through the final adapter and after it. The test kills it there with SIGKILL
+(the moment is an event the run reports, never a delay), checks what is on disk, and re-runs the same
+command to the end. Every re-run must resume from the checkpoint the moment implies (the newest complete
+one), train only the steps after it, and finish with the adapter and losses of one uninterrupted run
+(relative difference <= 1e-4); no kill may leave a checkpoint that loads but is incomplete.
 """
 from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import time
 
@@ -20,18 +21,39 @@ import torch
 from safetensors.torch import load_file
 
 from finetune.train.keepers import checkpoint as C
+from tests import killpoints as KP
 
-from .procs import alive, exit_code_of, fork_cli, metrics, wait_pid
+from .procs import (
+    alive,
+    end_child,
+    exit_code_of,
+    fork_cli,
+    metrics,
+    trained_steps,
+    wait_pid,
+)
 
 pytestmark = pytest.mark.slow
 
-TRIALS = 20
-SEED = 20261122
 STEPS = 6
 OVERRIDES = [f"train.max_steps={STEPS}", "train.warmup_steps=1", "train.save_every=1", "train.keep_checkpoints=2",
              "train.micro_batch_size=4", "train.log_every=1", "eval.max_batches=1", "output.progress_bar=false",
              # 64 rows read, 3 of them held out: reading and encoding stay a small part of each start.
              "data.sources=[{path: 'builtin:tiny-instruct', max_samples: 64}]", "data.eval_sources=[]"]
+# Where each trial's run is killed, and the checkpoint the re-run must resume from (None: none, a fresh
+# start). Every step writes a checkpoint (save_every 1) and prunes to two (keep 2).
+KILLS = [
+    (KP.Point("step", 0), None),  # loaded, the first step about to run: nothing saved
+    (KP.Point("metrics", 2), 1),  # step 2's metrics line written, its checkpoint not begun: a line to drop
+    (KP.Point("write", 2, "optimizer-rank0.pt"), 1),
+    (KP.Point("write", 3, "adapter_model.safetensors"), 2),
+    (KP.Point("step", 3), 3),  # between steps
+    (KP.Point("manifest", 4), 3),
+    (KP.Point("renamed", 4), 4),  # step-2, step-3 and step-4 visible: the re-run's first save prunes first
+    (KP.Point("pruning", 5), 5),  # step-3 half deleted under a hidden name
+    (KP.Point("export"), STEPS),  # the final adapter half written
+    (KP.Point("exported"), STEPS),  # the final adapter in place, the process not yet ended
+]
 
 
 def command(run_dir) -> list[str]:
@@ -74,48 +96,69 @@ def check_disk_after_kill(run_dir) -> int | None:
     return int(newest.name.split("-")[1]) if newest else None
 
 
-def trial(k: int, tmp_path, delay: float, reference: dict, ref_losses: list, out: dict):
+def where_it_was_killed(run, point: KP.Point):
+    """What the kill point leaves on disk besides complete checkpoints: proof that the kill landed there."""
+    root, hidden = run / "checkpoints", sorted(p.name for p in (run / "checkpoints").glob(".*"))
+    if point.kind == "write":
+        assert list(root.glob(f".tmp-step-{point.step}/**/{point.name}")), hidden
+    elif point.kind == "manifest":
+        assert (root / f".tmp-step-{point.step}" / C.MANIFEST).exists(), hidden
+    elif point.kind == "renamed":
+        assert len(C.list_checkpoints(root)) == 3  # keep + 1: the prune never ran
+    elif point.kind == "pruning":
+        assert hidden == [".del-step-3"], hidden
+    elif point.kind == "metrics":
+        assert max(m["step"] for m in metrics(run)) == point.step  # a line ahead of the newest checkpoint
+    elif point.kind == "export":
+        assert (run / ".tmp-adapter").is_dir() and not (run / "adapter").exists()
+    elif point.kind == "exported":
+        assert (run / "adapter").is_dir()
+    if point.kind in ("step", "renamed", "export", "exported"):
+        assert hidden == [], hidden
+
+
+def trial(k: int, tmp_path, point: KP.Point, expected: int | None, out: dict):
     """One kill-and-resume trial as a generator: it yields whenever it waits, so two trials can share the
     two cores (each child runs one torch thread). Results go into `out[k]`."""
-    run, log = tmp_path / f"t{k}", tmp_path / f"t{k}.log"
-    pid = fork_cli(command(run), log)
-    metrics_file = run / "metrics.jsonl"
-    while not (metrics_file.exists() and "\n" in metrics_file.read_text(errors="replace")):
-        assert alive(pid), log.read_text()[-3000:]
-        yield
-    kill_at = time.monotonic() + delay
-    while time.monotonic() < kill_at:
-        yield
+    run, log, marker = tmp_path / f"t{k}", tmp_path / f"t{k}.log", tmp_path / f"t{k}.at"
+    pid = fork_cli(command(run), log, before=lambda: KP.install(point, marker))
     try:
+        while not marker.exists():
+            assert alive(pid) or marker.exists(), f"{point}: the run ended before its kill point\n" + log.read_text()[-3000:]
+            yield
+        assert marker.read_text() == str(point)
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    code = wait_pid(pid, 60)
+        assert wait_pid(pid, 60) == -signal.SIGKILL
+    finally:
+        end_child(pid)
     newest = check_disk_after_kill(run)
+    assert newest == expected, (point, newest)
+    where_it_was_killed(run, point)
 
     rerun_log = tmp_path / f"t{k}.rerun.log"
     pid = fork_cli(command(run), rerun_log)
-    while alive(pid):
-        yield
-    assert exit_code_of(pid) == 0, rerun_log.read_text()[-3000:]
+    try:
+        while alive(pid):
+            yield
+        assert exit_code_of(pid) == 0, rerun_log.read_text()[-3000:]
+    finally:
+        end_child(pid)
     text = rerun_log.read_text()
     if newest is not None:
         assert f"resume: from {run / 'checkpoints' / f'step-{newest}'} (step {newest})" in text, text[-2000:]
     else:
         assert "resume:" not in text, text[-2000:]
-    got = load_file(str(run / "adapter" / "adapter_model.safetensors"))
-    diff = rel_diff(got, reference)
-    assert diff <= 1e-4, (k, newest, diff)
-    # The metrics tell one run: each step once, in order, with the uninterrupted run's losses.
+    # It resumed, not restarted: the re-run trained exactly the steps after its checkpoint.
+    assert trained_steps(text) == list(range((newest or 0) + 1, STEPS + 1)), (point, text[-2000:])
+    # The metrics tell one run: each step once, in order (losses compared with the reference below).
     losses = [(m["step"], m["loss"]) for m in metrics(run) if "loss" in m]
-    assert [s for s, _ in losses] == list(range(1, STEPS + 1)), (k, losses)
-    assert [v for _, v in losses] == pytest.approx(ref_losses, rel=1e-4)
-    out[k] = {"killed": code == -signal.SIGKILL, "resumed_from": newest, "diff": diff}
+    assert [s for s, _ in losses] == list(range(1, STEPS + 1)), (point, losses)
+    out[k] = {"point": point, "resumed_from": newest, "losses": [v for _, v in losses],
+              "adapter": load_file(str(run / "adapter" / "adapter_model.safetensors"))}
 
 
 def run_lanes(trials, lanes: int = 2):
-    """Round-robin over generator trials, `lanes` at a time. `trials` is an iterable, pulled lazily: it
-    can decide whether to start another trial from the results so far."""
+    """Round-robin over generator trials, `lanes` at a time. `trials` is an iterable, pulled lazily."""
     source, active = iter(trials), []
     while True:
         while len(active) < lanes:
@@ -130,52 +173,31 @@ def run_lanes(trials, lanes: int = 2):
                 next(g)
             except StopIteration:
                 active.remove(g)
-        time.sleep(0.003)
+        time.sleep(0.003)  # a polling interval: every wait above is on an event (a file, an exit)
 
 
 def uninterrupted(name: str, tmp_path, out: dict):
-    """A whole run as a generator (see `trial`); records its adapter, losses and the time from its first
-    metrics line to its exit."""
+    """A whole run as a generator (see `trial`); records its adapter and losses."""
     run, log = tmp_path / name, tmp_path / f"{name}.log"
     pid = fork_cli(command(run), log)
-    metrics_file = run / "metrics.jsonl"
-    while not (metrics_file.exists() and "\n" in metrics_file.read_text(errors="replace")):
-        assert alive(pid), log.read_text()[-3000:]
-        yield
-    t_first = time.monotonic()
     while alive(pid):
         yield
     assert exit_code_of(pid) == 0, log.read_text()[-3000:]
-    out[name] = {"span": time.monotonic() - t_first, "losses": [m["loss"] for m in metrics(run) if "loss" in m],
+    out[name] = {"losses": [m["loss"] for m in metrics(run) if "loss" in m],
                  "adapter": load_file(str(run / "adapter" / "adapter_model.safetensors"))}
 
 
-def test_sigkill_at_random_moments_then_resume(tmp_path):
+def test_sigkill_at_chosen_moments_then_resume(tmp_path):
     warm()
-    # Two uninterrupted runs side by side, as the trials will run: the reference, proof that a run is
-    # reproducible at all, and the time window (under the trials' load) the kill moments are drawn from.
-    refs: dict = {}
-    run_lanes([uninterrupted("ref", tmp_path, refs), uninterrupted("ref2", tmp_path, refs)])
+    refs, out = {}, {}
+    # The reference runs beside the first trials; every trial is compared with it at the end.
+    run_lanes([uninterrupted("ref", tmp_path, refs)]
+              + [trial(k, tmp_path, point, expected, out) for k, (point, expected) in enumerate(KILLS)])
     reference, ref_losses = refs["ref"]["adapter"], refs["ref"]["losses"]
-    assert len(ref_losses) == STEPS and rel_diff(refs["ref2"]["adapter"], reference) <= 1e-6
-    span = min(r["span"] for r in refs.values())
-
-    rng = random.Random(SEED)
-    out: dict = {}
-
-    def trials():
-        # Until TRIALS runs were really killed: under load a run can now and then end before its kill moment
-        # (it is still checked, as a re-run of a finished run). Bounded, so a broken kill cannot loop.
-        k = 0
-        while sum(r["killed"] for r in out.values()) < TRIALS and k < TRIALS + 10:
-            yield trial(k, tmp_path, rng.uniform(0.0, 0.9 * span), reference, ref_losses, out)
-            k += 1
-
-    run_lanes(trials())
-    killed = sum(r["killed"] for r in out.values())
-    resumed_from = [out[k]["resumed_from"] for k in sorted(out)]
-    # The kills landed across the run: TRIALS really were killed, resuming from different places.
-    assert killed >= TRIALS, (killed, len(out))
-    assert len(set(resumed_from)) >= 4, resumed_from
-    print(f"\ncrash safety: {killed}/{len(out)} killed, resumed from steps {resumed_from}, window {span:.2f} s, "
-          f"largest relative adapter difference {max(r['diff'] for r in out.values()):.1e}")
+    assert len(ref_losses) == STEPS and len(out) == len(KILLS)
+    for k in sorted(out):
+        diff = rel_diff(out[k]["adapter"], reference)
+        assert diff <= 1e-4, (out[k]["point"], diff)
+        assert out[k]["losses"] == pytest.approx(ref_losses, rel=1e-4), out[k]["point"]
+    print(f"\ncrash safety: {len(out)} kills, resumed from steps {[out[k]['resumed_from'] for k in sorted(out)]}, "
+          f"largest relative adapter difference {max(rel_diff(r['adapter'], reference) for r in out.values()):.1e}")

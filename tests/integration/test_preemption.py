@@ -1,18 +1,28 @@
 """Preemption: SIGTERM (a scheduler) or SIGINT (Ctrl-C) finishes the current step, writes a checkpoint and
-exits 0 within 60 s; running the same command again resumes there and ends where an uninterrupted run
-ends. One process here; two processes in test_distributed_faults.py."""
+exits 0; running the same command again resumes there, trains only the steps after it and ends where an
+uninterrupted run ends. "The current step" is checked by events, not time: the stop is at most one step
+after the last metrics line seen once the signal was sent. One process here; two processes in
+test_distributed_faults.py."""
 from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 from safetensors.torch import load_file
 
 from finetune.train.keepers import checkpoint as C
 
-from .procs import alive, fork_cli, metrics, spawn_cli, wait_for_first_metrics, wait_pid
+from .procs import (
+    alive,
+    fork_cli,
+    last_metrics_step,
+    metrics,
+    spawn_cli,
+    trained_steps,
+    wait_for_first_metrics,
+    wait_pid,
+)
 from .test_crash_safety import rel_diff, warm
 
 pytestmark = pytest.mark.slow
@@ -38,12 +48,13 @@ def reference(tmp_path_factory):
     return load_file(str(tmp / "run" / "adapter" / "adapter_model.safetensors"))
 
 
-def check_stop_and_resume(run, log, code, elapsed, signum, reference, extra):
+def check_stop_and_resume(run, log, code, seen, signum, reference, extra):
+    """`seen`: the newest metrics step read after the signal was sent. The signal was pending then, so the
+    run notices it at the latest after the step that was under way (seen + 1), whatever the machine's load."""
     text = log.read_text()
     assert code == 0, text[-3000:]
-    assert elapsed < 60, elapsed  # a bound (one micro-batch + one checkpoint write), generous for a busy machine
     step = stopped_step(text)
-    assert f"stopped by signal {signum}" in text and 0 < step < STEPS, text[-2000:]
+    assert f"stopped by signal {signum}" in text and 0 < step <= seen + 1 and step < STEPS, (seen, text[-2000:])
     assert C.latest(run / "checkpoints") == run / "checkpoints" / f"step-{step}"
     assert C.verify(run / "checkpoints" / f"step-{step}", 1)["step"] == step
     assert not (run / "adapter").exists()  # stopped early: no final adapter yet
@@ -51,7 +62,9 @@ def check_stop_and_resume(run, log, code, elapsed, signum, reference, extra):
     rerun_log = log.with_suffix(".rerun")
     pid = fork_cli(BASE + [f"output.dir={run}", *extra], rerun_log)
     assert wait_pid(pid, 300) == 0, rerun_log.read_text()[-3000:]
-    assert f"resume: from {run / 'checkpoints' / f'step-{step}'} (step {step})" in rerun_log.read_text()
+    rerun = rerun_log.read_text()
+    assert f"resume: from {run / 'checkpoints' / f'step-{step}'} (step {step})" in rerun
+    assert trained_steps(rerun) == list(range(step + 1, STEPS + 1)), rerun[-2000:]  # resumed, not restarted
     got = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     assert rel_diff(got, reference) <= 1e-4
     assert [m["step"] for m in metrics(run) if "loss" in m] == list(range(1, STEPS + 1))
@@ -63,10 +76,10 @@ def test_sigterm_in_a_fresh_interpreter(tmp_path, reference):
     extra = ["train.save_every=8"]
     proc = spawn_cli(BASE[:] + [f"output.dir={run}", *extra], log, env={"OMP_NUM_THREADS": "1"})
     wait_for_first_metrics(run, lambda: proc.poll() is None, timeout=300)
-    t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
+    seen = last_metrics_step(run)
     code = proc.wait(timeout=90)
-    check_stop_and_resume(run, log, code, time.monotonic() - t0, int(signal.SIGTERM), reference, extra)
+    check_stop_and_resume(run, log, code, seen, int(signal.SIGTERM), reference, extra)
 
 
 def test_sigint_with_a_checkpoint_every_step(tmp_path, reference):
@@ -75,7 +88,7 @@ def test_sigint_with_a_checkpoint_every_step(tmp_path, reference):
     extra = ["train.save_every=1"]
     pid = fork_cli(BASE + [f"output.dir={run}", *extra], log)
     wait_for_first_metrics(run, lambda: alive(pid))
-    t0 = time.monotonic()
     os.kill(pid, signal.SIGINT)
+    seen = last_metrics_step(run)
     code = wait_pid(pid, 90)
-    check_stop_and_resume(run, log, code, time.monotonic() - t0, int(signal.SIGINT), reference, extra)
+    check_stop_and_resume(run, log, code, seen, int(signal.SIGINT), reference, extra)

@@ -7,14 +7,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests import killpoints as KP
+
 from ..conftest import ROOT
-from .procs import alive, exit_code_of, fork_cli, metrics, wait_pid
+from .procs import alive, fork_cli, metrics, trained_steps, wait_pid
 from .test_fsdp_train import COMMON, STRICT, launch, single_run
 
 pytestmark = [pytest.mark.slow]
@@ -85,23 +86,25 @@ def dpo_command(run_dir):
 
 
 def test_sigkill_mid_dpo_run_resumes_to_the_uninterrupted_result(tmp_path):
-    ref_run, run = tmp_path / "ref", tmp_path / "killed"
-    pid = fork_cli(dpo_command(ref_run), tmp_path / "ref.log")
-    assert wait_pid(pid, 600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
-
-    pid = fork_cli(dpo_command(run), tmp_path / "killed.log")
-    deadline = time.monotonic() + 600
-    while not (run / "checkpoints" / f"step-{DPO_SAVE}" / "trainer_state.json").exists():
-        assert alive(pid) and time.monotonic() < deadline, (tmp_path / "killed.log").read_text()[-3000:]
-        time.sleep(0.01)
+    """Killed two steps after its checkpoint (held there: tests/killpoints.py), the run resumes from it, trains
+    only the steps after it and ends where the uninterrupted run (trained beside it) ends."""
+    ref_run, run, marker = tmp_path / "ref", tmp_path / "killed", tmp_path / "at"
+    ref_pid = fork_cli(dpo_command(ref_run), tmp_path / "ref.log")  # one torch thread each: they share two cores
+    pid = fork_cli(dpo_command(run), tmp_path / "killed.log",
+                   before=lambda: KP.install(KP.Point("step", DPO_SAVE + 2), marker))
+    KP.wait_for(marker, lambda: alive(pid))
     os.kill(pid, signal.SIGKILL)
     assert wait_pid(pid, 60) == -signal.SIGKILL
+    assert max(r["step"] for r in pref_metrics(run)) == DPO_SAVE + 2  # steps past the checkpoint were logged
     stored = (run / "reference" / "logps.json").read_text()
 
     pid = fork_cli(dpo_command(run), tmp_path / "rerun.log")
     assert wait_pid(pid, 600) == 0, (tmp_path / "rerun.log").read_text()[-3000:]
     text = (tmp_path / "rerun.log").read_text()
-    assert "resume: from" in text and "reference: log-probs" not in text  # reused, not recomputed
+    assert f"resume: from {run / 'checkpoints' / f'step-{DPO_SAVE}'}" in text, text[-3000:]
+    assert "reference: log-probs" not in text  # reused, not recomputed
+    assert trained_steps(text) == list(range(DPO_SAVE + 1, DPO_STEPS + 1)), text[-3000:]  # resumed, not restarted
+    assert wait_pid(ref_pid, 600) == 0, (tmp_path / "ref.log").read_text()[-3000:]
     assert (run / "reference" / "logps.json").read_text() == stored
     ref, got = pref_metrics(ref_run), pref_metrics(run)
     assert [r["step"] for r in got] == list(range(1, DPO_STEPS + 1))

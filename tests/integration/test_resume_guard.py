@@ -15,6 +15,8 @@ from finetune import cli
 from finetune.recipe import fingerprint as FP
 from finetune.util.errors import RecipeError
 
+from .procs import trained_steps
+
 pytestmark = pytest.mark.slow
 
 RECIPE = {
@@ -72,6 +74,7 @@ def test_free_fields_may_change_and_say_so(run, capsys):
     out = capsys.readouterr().out
     assert "train.max_steps changed from 2 to 3" in out and "train.log_every changed from 1 to 2" in out
     assert "resume: from" in out and "step-2" in out
+    assert trained_steps(out) == [3], out  # resumed, not restarted
     steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
 
@@ -96,6 +99,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(run, capsys)
     io = capsys.readouterr()
     assert "step-2 is damaged (optimizer-rank0.pt does not have the content" in io.err
     assert "resume: from" in io.out and "step-1 (step 1)" in io.out
+    assert trained_steps(io.out) == [2, 3], io.out
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["corrupt-step-2", "step-1", "step-2", "step-3"]
     from finetune.train.keepers import checkpoint as C

@@ -1,16 +1,16 @@
 """SIGHUP (a closed terminal or ssh session) and SIGUSR1 (a scheduler's warning) stop a run like SIGTERM:
 finish the step, write a checkpoint, exit 0. A second Ctrl-C quits at once, and Ctrl-C while the data is
-being prepared quits at once (exit 130) instead of waiting for the first step."""
+being prepared quits at once (exit 130) instead of waiting for the first step. The Ctrl-Cs land at chosen
+moments (tests/killpoints.py): each is sent once the run has reached the point it is meant for."""
 from __future__ import annotations
 
-import json
 import os
 import signal
-import time
 
 import pytest
 
 from finetune.train.keepers import checkpoint as C
+from tests import killpoints as KP
 
 from .procs import alive, fork_cli, wait_for_first_metrics, wait_pid
 from .test_crash_safety import warm
@@ -40,38 +40,41 @@ def test_hangup_and_scheduler_warning_checkpoint_and_stop(tmp_path, sig):
 
 
 def test_a_second_ctrl_c_quits_at_once(tmp_path):
+    """Ctrl-C, then Ctrl-C again while the stop's checkpoint is being written: the run is held half-way
+    through that write (tests/killpoints.py) until the second Ctrl-C, which is sent only once the first
+    has been handled (the save it asked for has begun). A second Ctrl-C that did not quit would leave the
+    run held there."""
     warm()
-    run, log = tmp_path / "run", tmp_path / "log"
-    pid = fork_cli(BASE + [f"output.dir={run}", "train.save_every=100"], log)
+    run, log, marker = tmp_path / "run", tmp_path / "log", tmp_path / "at"
+    point = KP.Point("write", None, "optimizer-rank0.pt")  # the first save: the stop's (save_every=100)
+    pid = fork_cli(BASE + [f"output.dir={run}", "train.save_every=100"], log, before=lambda: KP.install(point, marker))
     wait_for_first_metrics(run, lambda: alive(pid))
     os.kill(pid, signal.SIGINT)
-    time.sleep(0.1)  # two signals sent back to back are merged into one by the kernel
+    KP.wait_for(marker, lambda: alive(pid))
     os.kill(pid, signal.SIGINT)
     code = wait_pid(pid, 60)
     text = log.read_text()
-    assert code == 130 and "interrupted" in text and "Traceback" not in text, text[-2000:]
+    assert code == 130 and "second Ctrl-C" in text and "Traceback" not in text, text[-2000:]
+    # It quit inside the save: the checkpoint half written stays hidden, the stop never completed.
+    assert "stopped by signal" not in text and C.latest(run / "checkpoints") is None, text[-2000:]
+    assert len(list((run / "checkpoints").glob(".tmp-step-*/optimizer-rank0.pt"))) == 1
     visible_checkpoints_verify(run)
 
 
 def test_ctrl_c_during_data_preparation_quits_at_once(tmp_path):
-    """40,000 rows take seconds to read and tokenize; Ctrl-C then used to wait for the first step."""
+    """Ctrl-C while the rows are being tokenized (the run is held in the first batch until it comes:
+    tests/killpoints.py) stops the process there; it used to go on to the first step. A Ctrl-C that only
+    asked for a stop would leave the run held there."""
     warm()
-    data = tmp_path / "many.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"say {i}\n", "completion": f"word {i} " * 8}) + "\n"
-                            for i in range(40_000)))
-    run, log = tmp_path / "run", tmp_path / "log"
-    pid = fork_cli(BASE + [f"output.dir={run}", f"data.sources=[{{path: '{data}'}}]"], log,
-                   env={"FINETUNE_CACHE": str(tmp_path / "cache")})
-    deadline = time.monotonic() + 120
-    text = lambda: log.read_text() if log.exists() else ""  # noqa: E731 - the child creates it
-    while "tokenizing" not in text() and time.monotonic() < deadline and alive(pid):
-        time.sleep(0.05)
-    assert "tokenizing" in text(), text()[-2000:]
-    t0 = time.monotonic()
+    run, log, marker, cache = tmp_path / "run", tmp_path / "log", tmp_path / "at", tmp_path / "cache"
+    pid = fork_cli(BASE + [f"output.dir={run}"], log, env={"FINETUNE_CACHE": str(cache)},  # nothing cached yet
+                   before=lambda: KP.install(KP.Point("tokenizing"), marker))
+    KP.wait_for(marker, lambda: alive(pid))
     os.kill(pid, signal.SIGINT)
     code = wait_pid(pid, 60)
     text = log.read_text()
-    assert code == 130 and "interrupted" in text, text[-2000:]
-    took = time.monotonic() - t0
-    assert took < 30, took  # a bound, not a figure: not after the rest of the preparation and a step
+    assert code == 130 and "signal 2 before training started" in text, text[-2000:]
+    assert "Traceback" not in text, text[-2000:]
+    # The preparation never finished: no tokenized rows cached, no model announced, no step taken.
+    assert not list(cache.rglob("train-*.arrow")) and "model:" not in text, text[-2000:]
     assert not (run / "metrics.jsonl").exists()

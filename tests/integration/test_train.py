@@ -9,6 +9,7 @@ from finetune import recipe as R
 from finetune.train.loop import train
 
 from ..conftest import run_cli
+from .procs import trained_steps
 
 pytestmark = pytest.mark.slow
 
@@ -147,18 +148,31 @@ def test_adapter_loads_in_plain_peft_and_changes_logits(tmp_path):
     assert (after - before).abs().max() > 1e-2
 
 
-def test_resume_ends_with_the_same_adapter(tmp_path):
+def test_resume_ends_with_the_same_adapter(tmp_path, capsys):
+    """A run that crashed after its step-3 checkpoint, run again, resumes: it says so, trains steps 4-6 only,
+    from the checkpoint's state (step 4's learning rate and loss are the uninterrupted run's: the schedule,
+    the adapter and the data position were restored) and ends with the uninterrupted run's adapter (the
+    optimizer's moments too)."""
     import shutil
 
     full = tiny(tmp_path, "full", train={"max_steps": 6, "save_every": 3})
     train(full, tmp_path / "full")
-    part = tiny(tmp_path, "part", train={"max_steps": 6, "save_every": 3})
-    train(part, tmp_path / "part")
-    # Simulate a crash after step 3: drop the later checkpoint and the final adapter, then re-run.
-    shutil.rmtree(tmp_path / "part" / "checkpoints" / "step-6")
-    shutil.rmtree(tmp_path / "part" / "adapter")
-    train(part, tmp_path / "part")
-    wa, wb = adapter(tmp_path / "full"), adapter(tmp_path / "part")
+    # As a crash after step 3 leaves the same run: the later checkpoint and the final adapter never written.
+    part = tmp_path / "part"
+    shutil.copytree(tmp_path / "full", part)
+    shutil.rmtree(part / "checkpoints" / "step-6")
+    shutil.rmtree(part / "adapter")
+    capsys.readouterr()
+    train(tiny(tmp_path, "part", train={"max_steps": 6, "save_every": 3}), part)
+    out = capsys.readouterr().out
+    assert f"resume: from {part / 'checkpoints' / 'step-3'} (step 3)" in out, out[-2000:]
+    assert trained_steps(out) == [4, 5, 6], out[-2000:]  # resumed, not restarted
+    rows = {name: {r["step"]: r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                   if "loss" in r} for name in ("full", "part")}
+    assert sorted(rows["part"]) == [1, 2, 3, 4, 5, 6]
+    assert rows["part"][4]["lr"] == rows["full"][4]["lr"] != rows["full"][1]["lr"]
+    assert rows["part"][4]["loss"] == pytest.approx(rows["full"][4]["loss"], rel=1e-6)
+    wa, wb = adapter(tmp_path / "full"), adapter(part)
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7)
 

@@ -12,6 +12,7 @@ import shutil
 import pytest
 
 from ..conftest import ROOT, run_cli
+from .procs import trained_steps
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,7 @@ def test_a_pickle_in_a_checkpoint_is_set_aside_and_the_previous_step_resumed(run
     p = run_cli([str(run / "recipe.yaml"), f"output.dir={run}", "train.max_steps=4"])
     _one_line_error(p, 0, "not weights-only")
     assert "resume: from" in p.stdout and "step-2 (step 2)" in p.stdout, p.stdout
+    assert trained_steps(p.stdout) == [4], p.stdout  # steps 3-4 (log_every 50 prints the last); a restart prints step 1
     assert (run / "checkpoints" / "corrupt-step-3").is_dir() and not os.path.exists(marker)
 
 

@@ -1,6 +1,6 @@
 """Checkpoints stay trustworthy when the process dies or the disk fails mid-write.
 
-The real `checkpoint.save` runs in forked children that are SIGKILLed at random moments or that hit a
+The real `checkpoint.save` runs in forked children that are SIGKILLed at chosen moments or that hit a
 real write failure (RLIMIT_FSIZE: the kernel refuses writes past a size, as a full disk refuses them).
 No model is involved: a small torch optimizer and a real PEFT LoraConfig stand in for the training state.
 """
@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import resource
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ import torch
 from peft import LoraConfig
 
 from finetune.train.keepers import checkpoint as C
+from tests import killpoints as KP
 
 
 def training_state(seed: int = 0):
@@ -147,40 +146,71 @@ def test_a_kill_between_rename_and_prune_never_leaves_more_than_keep_plus_one(tm
     assert_every_visible_checkpoint_loads(tmp_path)
 
 
+# Where each trial's child is SIGKILLed (which of its saves: Point.step counts from 1), and which save of it
+# is then the newest visible checkpoint (0: the one killed, -1: the one before). Each child resumes from
+# what the kills before left: after "renamed" three checkpoints are visible, so the next save's first
+# delete ("pruning" 1) is its prune before writing; elsewhere it is the prune after its rename.
+KILLS = [(KP.Point("save", 3), -1), (KP.Point("write", 1, "optimizer-rank0.pt"), -1),
+         (KP.Point("write", 2, "rng-rank0.pt"), -1), (KP.Point("write", 1, "adapter_model.safetensors"), -1),
+         (KP.Point("write", 2, "scheduler.pt"), -1), (KP.Point("manifest", 1), -1), (KP.Point("renamed", 1), 0),
+         (KP.Point("pruning", 1), -1), (KP.Point("renamed", 2), 0), (KP.Point("pruning", 2), 0),
+         (KP.Point("save", 2), -1)]
+
+
 @pytest.mark.slow
-def test_sigkill_at_random_moments_never_leaves_a_partial_checkpoint(tmp_path):
-    """A child saves checkpoints back to back (keep=2, so it also prunes); it is SIGKILLed at 25 seeded
-    random moments, resuming each time from whatever is on disk. After every kill each visible
+def test_sigkill_at_every_moment_of_a_save_never_leaves_a_partial_checkpoint(tmp_path):
+    """A child saves checkpoints back to back (keep=2, so it also prunes), resuming from whatever is on
+    disk, and is SIGKILLed at a chosen moment (tests/killpoints.py): between saves, half-way through each
+    file, with the manifest written but not renamed, after the rename before the prune, and mid-delete of
+    a pruned one. After every kill the newest visible checkpoint is the last one renamed, each visible
     checkpoint is complete and loads, and the leftovers are hidden names that the next run cleans."""
-    rng = random.Random(1234)
     state = training_state(3)
-    mid_save = 0
-    for trial in range(25):
+    root = tmp_path / "ckpt"
+    for trial, (kp, newest) in enumerate(KILLS):
+        last = C.latest(root)
+        first = int(last.name.split("-")[1]) + 1 if last else 1
+        point = KP.Point(kp.kind, first + kp.step - 1, kp.name)
+        marker = tmp_path / f"at-{trial}"
         pid = os.fork()
         if pid == 0:
             try:
-                C.clean_partial(tmp_path)
-                last = C.latest(tmp_path)
-                step = int(last.name.split("-")[1]) if last else 0
-                while True:
-                    step += 1
-                    save(tmp_path, step, state=state)
+                KP.install(point, marker)
+                C.clean_partial(root)
+                for step in range(first, point.step + 2):  # then it ends: a point never reached fails the wait
+                    save(root, step, state=state)
             finally:
                 os._exit(1)
-        time.sleep(rng.uniform(0.0, 0.2))  # a save takes ~30-80 ms here: kills land inside and between saves
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        mid_save += any(p.name.startswith((".tmp-", ".del-")) for p in tmp_path.iterdir())
-        visible = C.list_checkpoints(tmp_path)
+        try:
+            assert KP.wait_for(marker, lambda pid=pid: os.waitpid(pid, os.WNOHANG)[0] == 0) == str(point)
+        finally:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):  # it ended by itself, already reaped
+                pass
+        n = point.step
+        visible = C.list_checkpoints(root)
         assert all(C.problems(p) is None for _, p in visible), (trial, [(p, C.problems(p)) for _, p in visible])
+        # The newest visible checkpoint is the last one renamed into place: never the one being written.
+        assert C.latest(root) == root / f"step-{n + newest}", (trial, point, visible)
         assert len(visible) <= 3
-        for p in tmp_path.iterdir():
+        hidden = sorted(p.name for p in root.iterdir() if p.name.startswith("."))
+        if point.kind == "write":  # a part of the file is there, in the hidden directory only
+            assert hidden == [f".tmp-step-{n}"] and list(root.glob(f".tmp-step-{n}/**/{point.name}")), hidden
+        elif point.kind == "manifest":
+            assert hidden == [f".tmp-step-{n}"] and (root / f".tmp-step-{n}" / C.MANIFEST).exists(), hidden
+        elif point.kind == "pruning":
+            assert len(hidden) == 1 and hidden[0].startswith(".del-step-"), hidden
+        else:
+            assert hidden == [], hidden
+        if point.kind == "renamed":
+            assert len(visible) == 3  # keep + 1 until the prune the kill prevented
+        for p in root.iterdir():
             assert p.name.startswith(("step-", ".tmp-step-", ".del-step-")), p
-    assert_every_visible_checkpoint_loads(tmp_path)
-    # Both kinds of moment were hit: kills inside a save, and enough progress between them.
-    assert mid_save >= 5 and int(C.latest(tmp_path).name.split("-")[1]) >= 10, (mid_save, C.latest(tmp_path))
-    C.clean_partial(tmp_path)
-    assert all(p.name.startswith("step-") for p in tmp_path.iterdir())
+    assert C.latest(root) == root / "step-10"  # each child got on: 10 saves completed over the 11 kills
+    assert_every_visible_checkpoint_loads(root)
+    C.clean_partial(root)
+    assert all(p.name.startswith("step-") for p in root.iterdir())
 
 
 def test_publish_dir_replaces_whole_or_not_at_all(tmp_path):
