@@ -25,12 +25,15 @@ def shapes(dry: bool) -> dict:
                 "m8_short": f"synthetic:meta-llama/Llama-3.1-8B-Instruct?{small}&seed=1",
                 "m70": "synthetic:meta-llama/Llama-3.1-70B-Instruct?layers=2&hidden=512&intermediate=1024&heads=8"
                        "&kv_heads=2&vocab=2048",
-                "seq": 64, "warmup": 2, "steps": 4, "device": "cpu"}
+                "seq": 64, "warmup": 2, "steps": 4, "device": "cpu",
+                # the preference stage's pairs, training and held out: its reference pass reads each once before
+                # the first step (all 4000 + 200 took most of the dry run); 64 cover its 6 steps of 8 pairs
+                "pref_pairs": {"train": 64, "eval": 8}}
     return {"m8": "synthetic:meta-llama/Llama-3.1-8B-Instruct?device=cuda",
             # FSDP and fp16 runs need the path, not the depth: the 8B's widths and vocabulary, 4 layers
             "m8_short": "synthetic:meta-llama/Llama-3.1-8B-Instruct?layers=4&device=cuda",
             "m70": "synthetic:meta-llama/Llama-3.1-70B-Instruct?layers=2&device=cuda",
-            "seq": 2048, "warmup": 4, "steps": 8, "device": "cuda"}
+            "seq": 2048, "warmup": 4, "steps": 8, "device": "cuda", "pref_pairs": {}}
 
 
 def recipe(model: str, seq: int, steps: int, out: Path, held_out: bool = True, **sections) -> dict:

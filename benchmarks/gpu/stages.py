@@ -304,6 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
+    if a.dry_run:
+        # Tiny shapes gain nothing from a second thread, and on a busy machine (CI, 2 cores) torch's threads
+        # wait on each other: a step took 5 s on 2 threads beside other work and 0.1 s on one. The stage's own
+        # torch and every command it starts (they inherit the environment) run on one thread.
+        os.environ["OMP_NUM_THREADS"] = "1"
     res = STAGES[a.stage](a.work, shapes(a.dry_run))
     (a.work / f"stage_{a.stage}.json").write_text(json.dumps(res, default=str, indent=1))
     print(json.dumps(res, default=str), flush=True)
