@@ -6,12 +6,14 @@ stages.py and methods.py both import this module; neither imports the other's he
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.common import ROOT, child_env, last_json_line, read_jsonl, steady_rate
+from benchmarks.gpu.warm import ENV as WARM_ENV
 
 GIB = 2**30
 
@@ -87,14 +89,21 @@ def must(p: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProce
     return p
 
 
+def python_m(module: str, *args: str) -> list[str]:
+    """`python -m MODULE ARGS`; in the dry run, through its warm process (benchmarks/gpu/warm.py), which has
+    imported the libraries once, when the proof started one."""
+    if os.environ.get(WARM_ENV):
+        return [sys.executable, "-m", "benchmarks.gpu.warm", "-m", module, *args]
+    return [sys.executable, "-m", module, *args]
+
+
 def finetune(*args: str) -> list[str]:
-    return [sys.executable, "-m", "finetune", *args]
+    return python_m("finetune", *args)
 
 
-def torchrun(*args: str) -> list[str]:
+def torchrun(*args: str, module: str = "finetune") -> list[str]:
     # --standalone: a free port of its own, so stages (or two proofs on one machine) never collide
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-            "-m", "finetune", *args]
+    return python_m("torch.distributed.run", "--standalone", "--nproc_per_node", "1", *python_m(module, *args)[1:])
 
 
 def estimate(rec_path: Path, log: Path) -> dict:
