@@ -27,23 +27,25 @@ from pathlib import Path
 
 from benchmarks.common import ROOT, child_env, commit, last_json_line, now
 
-# name, what it proves, estimated seconds on a GPU, on the CPU dry run, and its cap on a GPU.
+# name, what it proves, estimated seconds on a GPU, on the CPU dry run, and its cap on a GPU. The dry run's
+# estimates are what its stages took on 2 busy cores (other work beside it), rounded up; models' waits for the
+# warm process's imports, the first warm stage's.
 STAGES = [
     ("env", "GPU, driver, versions, bitsandbytes' CUDA kernels against CPU/dequantized references, ceilings",
-     45, 40, 120),
-    ("models", "synthetic Llama 3.1 8B (full depth) and a 70B-width model, drawn on the GPU", 90, 30, 240),
-    ("single", "the 8B recipe at 2 x 2048, one process: tokens/s, MFU, memory per phase vs plan", 120, 90, 300),
-    ("fsdp2", "FSDP2 at world size 1 (NCCL): train, resume, eval, generate, packed-byte check", 150, 150, 300),
-    ("fsdp1", "FSDP1 at world size 1 (NCCL): train, resume, eval, generate", 130, 120, 300),
-    ("load70b", "70B-width model: memory after load and wrap vs the planner", 70, 60, 240),
-    ("trl", "TRL SFTTrainer on the same 8B model and batch: ratios", 120, 90, 300),
-    ("fp16", "fp16 with loss scaling, a stop between micro-batches", 60, 60, 180),
-    ("fsdp2_trace", "FSDP2 world 1, 2 steps under torch's allocator trace: what is alive at the peak", 60, 40, 180),
-    ("syncs", "host synchronisations per optimizer step (4 micro-batches), one process and FSDP2", 70, 60, 200),
+     45, 15, 120),
+    ("models", "synthetic Llama 3.1 8B (full depth) and a 70B-width model, drawn on the GPU", 90, 10, 240),
+    ("single", "the 8B recipe at 2 x 2048, one process: tokens/s, MFU, memory per phase vs plan", 120, 25, 300),
+    ("fsdp2", "FSDP2 at world size 1 (NCCL): train, resume, eval, generate, packed-byte check", 150, 25, 300),
+    ("fsdp1", "FSDP1 at world size 1 (NCCL): train, resume, eval, generate", 130, 25, 300),
+    ("load70b", "70B-width model: memory after load and wrap vs the planner", 70, 10, 240),
+    ("trl", "TRL SFTTrainer on the same 8B model and batch: ratios", 120, 10, 300),
+    ("fp16", "fp16 with loss scaling, a stop between micro-batches", 60, 10, 180),
+    ("fsdp2_trace", "FSDP2 world 1, 2 steps under torch's allocator trace: what is alive at the peak", 60, 10, 180),
+    ("syncs", "host synchronisations per optimizer step (4 micro-batches), one process and FSDP2", 70, 25, 200),
     ("moe", "Qwen3-30B-A3B widths (128 experts, 4 layers), experts 4-bit with LoRA on them: train, plan, eval",
-     100, 60, 240),
-    ("adapters", "DoRA beside LoRA on the 4-layer 8B-width model, one process: tokens/s and memory vs plan", 60, 60, 240),
-    ("preference", "DPO and ORPO through the loop on the builtin pairs, then eval's preference accuracy", 130, 80, 240),
+     100, 10, 240),
+    ("adapters", "DoRA beside LoRA on the 4-layer 8B-width model, one process: tokens/s and memory vs plan", 60, 10, 240),
+    ("preference", "DPO and ORPO through the loop on the builtin pairs, then eval's preference accuracy", 130, 15, 240),
 ]
 FILES = ("results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log")
 
