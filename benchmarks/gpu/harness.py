@@ -6,12 +6,14 @@ stages.py and methods.py both import this module; neither imports the other's he
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from benchmarks.common import ROOT, child_env, last_json_line, read_jsonl, steady_rate
+from benchmarks.gpu.warm import ENV as WARM_ENV
 
 GIB = 2**30
 
@@ -25,12 +27,15 @@ def shapes(dry: bool) -> dict:
                 "m8_short": f"synthetic:meta-llama/Llama-3.1-8B-Instruct?{small}&seed=1",
                 "m70": "synthetic:meta-llama/Llama-3.1-70B-Instruct?layers=2&hidden=512&intermediate=1024&heads=8"
                        "&kv_heads=2&vocab=2048",
-                "seq": 64, "warmup": 2, "steps": 4, "device": "cpu"}
+                "seq": 64, "warmup": 2, "steps": 4, "device": "cpu",
+                # the preference stage's pairs, training and held out: its reference pass reads each once before
+                # the first step (all 4000 + 200 took most of the dry run); 64 cover its 6 steps of 8 pairs
+                "pref_pairs": {"train": 64, "eval": 8}}
     return {"m8": "synthetic:meta-llama/Llama-3.1-8B-Instruct?device=cuda",
             # FSDP and fp16 runs need the path, not the depth: the 8B's widths and vocabulary, 4 layers
             "m8_short": "synthetic:meta-llama/Llama-3.1-8B-Instruct?layers=4&device=cuda",
             "m70": "synthetic:meta-llama/Llama-3.1-70B-Instruct?layers=2&device=cuda",
-            "seq": 2048, "warmup": 4, "steps": 8, "device": "cuda"}
+            "seq": 2048, "warmup": 4, "steps": 8, "device": "cuda", "pref_pairs": {}}
 
 
 def recipe(model: str, seq: int, steps: int, out: Path, held_out: bool = True, **sections) -> dict:
@@ -84,14 +89,21 @@ def must(p: subprocess.CompletedProcess, what: str) -> subprocess.CompletedProce
     return p
 
 
+def python_m(module: str, *args: str) -> list[str]:
+    """`python -m MODULE ARGS`; in the dry run, through its warm process (benchmarks/gpu/warm.py), which has
+    imported the libraries once, when the proof started one."""
+    if os.environ.get(WARM_ENV):
+        return [sys.executable, "-m", "benchmarks.gpu.warm", "-m", module, *args]
+    return [sys.executable, "-m", module, *args]
+
+
 def finetune(*args: str) -> list[str]:
-    return [sys.executable, "-m", "finetune", *args]
+    return python_m("finetune", *args)
 
 
-def torchrun(*args: str) -> list[str]:
+def torchrun(*args: str, module: str = "finetune") -> list[str]:
     # --standalone: a free port of its own, so stages (or two proofs on one machine) never collide
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-            "-m", "finetune", *args]
+    return python_m("torch.distributed.run", "--standalone", "--nproc_per_node", "1", *python_m(module, *args)[1:])
 
 
 def estimate(rec_path: Path, log: Path) -> dict:

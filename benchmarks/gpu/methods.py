@@ -60,13 +60,20 @@ def stage_preference(work: Path, sh_: dict) -> dict:
                           ("orpo", {"method": "orpo", "orpo_lambda": 1.0})):
         name = f"pref_{method}"
         rec = recipe(sh_["m8_short"], 64, 6, work / name, train={**train, "micro_batch_size": 8, "learning_rate": 1e-4})
-        rec["data"] = {"sources": [{"path": "builtin:tiny-preference"}],
-                       "eval_sources": [{"path": "builtin:tiny-preference", "split": "eval"}], "max_seq_len": 64}
+        cap = sh_["pref_pairs"]  # the dry run's; a GPU reads them all (eval: 32 of the 200 held out)
+        rec["data"] = {"sources": [_capped({"path": "builtin:tiny-preference"}, cap.get("train"))],
+                       "eval_sources": [_capped({"path": "builtin:tiny-preference", "split": "eval"}, cap.get("eval"))],
+                       "max_seq_len": 64}
         res = _planned(train_and_read(rec, work, name, {**sh_, "warmup": 1}), work, name)
-        p = must(sh(finetune("eval", str(work / name), "--json", "--max-rows", "32"), log=log), f"{name} eval")
+        p = must(sh(finetune("eval", str(work / name), "--json", "--max-rows", str(cap.get("eval", 32))), log=log),
+                 f"{name} eval")
         res["eval"] = last_json_line(p.stdout)
         out[name] = res
     return out
+
+
+def _capped(source: dict, rows: int | None) -> dict:
+    return {**source, "max_samples": rows} if rows else source
 
 
 def stage_moe(work: Path, sh_: dict) -> dict:

@@ -8,7 +8,9 @@ After every stage DIR holds: results.json (every stage's result or error), RESUL
 log.txt (each stage's output), commands.log (every finetune command the stages ran, with its output) and
 env.json (the environment stage's facts); at most 8 files in all,
 so a device call brings all of it back. --dry-run runs the same stages on tiny shapes on the CPU (gloo for the
-world-size-1 FSDP stages): the wiring, the skip logic and the files, proven before a GPU is used.
+world-size-1 FSDP stages, one thread): the wiring, the skip logic and the files, proven before a GPU is used.
+Its stages and commands fork from one warm process that imported the libraries once (benchmarks/gpu/warm.py),
+but for the env and single stages, which start fresh interpreters as on a GPU.
 """
 from __future__ import annotations
 
@@ -25,23 +27,25 @@ from pathlib import Path
 
 from benchmarks.common import ROOT, child_env, commit, last_json_line, now
 
-# name, what it proves, estimated seconds on a GPU, on the CPU dry run, and its cap on a GPU.
+# name, what it proves, estimated seconds on a GPU, on the CPU dry run, and its cap on a GPU. The dry run's
+# estimates are what its stages took on 2 busy cores (other work beside it), rounded up; models' waits for the
+# warm process's imports, the first warm stage's.
 STAGES = [
     ("env", "GPU, driver, versions, bitsandbytes' CUDA kernels against CPU/dequantized references, ceilings",
-     45, 40, 120),
-    ("models", "synthetic Llama 3.1 8B (full depth) and a 70B-width model, drawn on the GPU", 90, 30, 240),
-    ("single", "the 8B recipe at 2 x 2048, one process: tokens/s, MFU, memory per phase vs plan", 120, 90, 300),
-    ("fsdp2", "FSDP2 at world size 1 (NCCL): train, resume, eval, generate, packed-byte check", 150, 150, 300),
-    ("fsdp1", "FSDP1 at world size 1 (NCCL): train, resume, eval, generate", 130, 120, 300),
-    ("load70b", "70B-width model: memory after load and wrap vs the planner", 70, 60, 240),
-    ("trl", "TRL SFTTrainer on the same 8B model and batch: ratios", 120, 90, 300),
-    ("fp16", "fp16 with loss scaling, a stop between micro-batches", 60, 60, 180),
-    ("fsdp2_trace", "FSDP2 world 1, 2 steps under torch's allocator trace: what is alive at the peak", 60, 40, 180),
-    ("syncs", "host synchronisations per optimizer step (4 micro-batches), one process and FSDP2", 70, 60, 200),
+     45, 15, 120),
+    ("models", "synthetic Llama 3.1 8B (full depth) and a 70B-width model, drawn on the GPU", 90, 10, 240),
+    ("single", "the 8B recipe at 2 x 2048, one process: tokens/s, MFU, memory per phase vs plan", 120, 25, 300),
+    ("fsdp2", "FSDP2 at world size 1 (NCCL): train, resume, eval, generate, packed-byte check", 150, 25, 300),
+    ("fsdp1", "FSDP1 at world size 1 (NCCL): train, resume, eval, generate", 130, 25, 300),
+    ("load70b", "70B-width model: memory after load and wrap vs the planner", 70, 10, 240),
+    ("trl", "TRL SFTTrainer on the same 8B model and batch: ratios", 120, 10, 300),
+    ("fp16", "fp16 with loss scaling, a stop between micro-batches", 60, 10, 180),
+    ("fsdp2_trace", "FSDP2 world 1, 2 steps under torch's allocator trace: what is alive at the peak", 60, 10, 180),
+    ("syncs", "host synchronisations per optimizer step (4 micro-batches), one process and FSDP2", 70, 25, 200),
     ("moe", "Qwen3-30B-A3B widths (128 experts, 4 layers), experts 4-bit with LoRA on them: train, plan, eval",
-     100, 60, 240),
-    ("adapters", "DoRA beside LoRA on the 4-layer 8B-width model, one process: tokens/s and memory vs plan", 60, 60, 240),
-    ("preference", "DPO and ORPO through the loop on the builtin pairs, then eval's preference accuracy", 130, 80, 240),
+     100, 10, 240),
+    ("adapters", "DoRA beside LoRA on the 4-layer 8B-width model, one process: tokens/s and memory vs plan", 60, 10, 240),
+    ("preference", "DPO and ORPO through the loop on the builtin pairs, then eval's preference accuracy", 130, 15, 240),
 ]
 FILES = ("results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log")
 
@@ -66,12 +70,15 @@ def parse_args(argv):
     return a
 
 
-def run_stage(name: str, work: Path, dry: bool, cap: float, log: Path) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.gpu.stages", name, "--work", str(work)] + (["--dry-run"] if dry else [])
+def run_stage(name: str, work: Path, dry: bool, cap: float, log: Path, env_extra: dict | None = None) -> dict:
+    from benchmarks.gpu.warm import ENV
+
+    warm = ["-m", "benchmarks.gpu.warm"] if ENV in (env_extra or {}) else []  # the stage itself forks from it too
+    cmd = [sys.executable, *warm, "-m", "benchmarks.gpu.stages", name, "--work", str(work)] + (["--dry-run"] if dry else [])
     t0 = time.perf_counter()
     # Its own session, so a stage stopped at its cap takes its children (training runs, torchrun) with it.
-    p = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
+    p = subprocess.Popen(cmd, cwd=ROOT, env={**child_env(), **(env_extra or {})}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=cap)
         code = p.returncode
@@ -107,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     tmp = None if a.work else tempfile.TemporaryDirectory(prefix="gpu-proof-")
     work = a.work or Path(tmp.name)
+    if a.dry_run:
+        os.environ["OMP_NUM_THREADS"] = "1"  # tiny shapes; see benchmarks/gpu/stages.py main
+    warm = start_warm(work) if a.dry_run else None
     try:
         for name in a.order:
             _, what, est_gpu, est_dry, cap = by_name[name]
@@ -115,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             if est > left:
                 res = {"status": "skipped", "why": f"estimate {est} s > {left:.0f} s left of the deadline"}
             else:
-                res = run_stage(name, work, a.dry_run, min(cap, max(left, 1)), log)
+                res = run_stage(name, work, a.dry_run, min(cap, max(left, 1)), log, warm_env(warm, name))
             # Each stage says where and when it ran: results pages merge stages from several runs and cards.
             res.update(what=what, date=results["meta"]["date"], commit=results["meta"]["commit"],
                        device=device_of(results, a.out_dir))
@@ -127,10 +137,59 @@ def main(argv: list[str] | None = None) -> int:
             if (work / "commands.log").exists():  # every finetune command the stages ran, with its output
                 shutil.copyfile(work / "commands.log", a.out_dir / "commands.log")
     finally:
+        stop_warm(warm)
         if tmp is not None:
             tmp.cleanup()
     print(summary(results), flush=True)
     return 0 if all(r["status"] == "ok" for r in results["stages"].values()) else 1
+
+
+def start_warm(work: Path) -> tuple[subprocess.Popen, Path] | None:
+    """The dry run's warm process (benchmarks/gpu/warm.py): it imports the libraries while the env stage runs,
+    and every later command forks from it. None (every command then starts cold) if it does not come up."""
+    from benchmarks.gpu.warm import ENV
+
+    sock = Path(tempfile.mkdtemp(prefix="warm-")) / "sock"  # short: a socket's path holds at most 107 bytes
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONWARNINGS", None)  # its forks start with its warning filters: the commands' own (harness.sh)
+    env.pop(ENV, None)
+    work.mkdir(parents=True, exist_ok=True)
+    with (work / "warm.log").open("a") as log:  # what its imports print
+        p = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu.warm", "serve", str(sock)], cwd=ROOT, env=env,
+                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.perf_counter() + 30
+    while not sock.exists() and p.poll() is None and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    if not sock.exists():
+        stop_warm((p, sock))
+        return None
+    return p, sock
+
+
+COLD = ("env", "single")  # in the dry run too, these stages and their commands start fresh interpreters
+
+
+def warm_env(warm, stage: str) -> dict:
+    """A dry-run stage and its commands go through the warm process, but for COLD: env checks the libraries
+    as a fresh interpreter loads them (while the warm process imports them beside it), and single's run and
+    estimate start as a user's do, so what a fresh interpreter prints on import is in commands.log too."""
+    from benchmarks.gpu.warm import ENV
+
+    return {ENV: str(warm[1])} if warm and stage not in COLD else {}
+
+
+def stop_warm(warm) -> None:
+    if warm is None:
+        return
+    p, sock = warm
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    shutil.rmtree(sock.parent, ignore_errors=True)
 
 
 def device_of(results: dict, out: Path) -> str | None:

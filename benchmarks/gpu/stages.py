@@ -21,7 +21,7 @@ from pathlib import Path
 from benchmarks.common import ROOT, child_env, last_json_line, read_jsonl
 from benchmarks.gpu import methods
 from benchmarks.gpu.harness import (GIB, built, estimate, finetune, must, phase_peaks, plan_errors, plan_figures,
-                                    read_env, recipe, sh, shapes, torchrun, train_and_read, write_recipe)
+                                    python_m, read_env, recipe, sh, shapes, torchrun, train_and_read, write_recipe)
 
 
 # ----------------------------------------------------------------------------------------------- stages
@@ -176,9 +176,7 @@ def stage_fsdp(work: Path, sh_: dict, version: int) -> dict:
     res["generate"] = {"ok": True, "output_tail": p.stdout.strip()[-200:]}
     res["attention_line"] = [ln for ln in text.splitlines() if "attention" in ln.lower()][:2]
     if version == 2:
-        check = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                 "-m", "benchmarks.gpu.bytecheck", str(work / f"{name}.yaml")]
-        p = must(sh(check, log=log), "bytecheck")
+        p = must(sh(torchrun(str(work / f"{name}.yaml"), module="benchmarks.gpu.bytecheck"), log=log), "bytecheck")
         res["bytecheck"] = last_json_line(p.stdout)
     return res
 
@@ -201,7 +199,7 @@ def stage_load70b(work: Path, sh_: dict) -> dict:
 
 def stage_trl(work: Path, sh_: dict) -> dict:
     """TRL's SFTTrainer (peft + bitsandbytes) on the same 8B model, rows, batch, LoRA, optimizer and bf16."""
-    p = must(sh([sys.executable, "-m", "benchmarks.peers.trl_gpu", json.dumps({**sh_, "work": str(work)})],
+    p = must(sh(python_m("benchmarks.peers.trl_gpu", json.dumps({**sh_, "work": str(work)})),
                 log=work / "commands.log"), "TRL arm")
     trl = last_json_line(p.stdout)
     single = work / "stage_single.json"
@@ -267,16 +265,15 @@ def stage_syncs(work: Path, sh_: dict) -> dict:
     out = {}
     seq = min(sh_["seq"], 512)
     for name, sections, launch in (
-            ("syncs_single", {}, [sys.executable, "-m", "benchmarks.gpu.syncs"]),
+            ("syncs_single", {}, lambda *a: python_m("benchmarks.gpu.syncs", *a)),
             ("syncs_fsdp2", {"distributed": {"strategy": "fsdp", "num_processes": 1}, "fsdp": {"version": 2}},
-             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-              "-m", "benchmarks.gpu.syncs"])):
+             lambda *a: torchrun(*a, module="benchmarks.gpu.syncs"))):
         rec = recipe(sh_["m8_short"], seq, 4, work / name, held_out=False, **sections)
         rec["train"]["gradient_accumulation_steps"] = 4
         rec["data"]["sources"] = [{"path": f"synthetic:tokens?rows=40&min_len={seq}&max_len={seq}"}]
         path = write_recipe(rec, work / f"{name}.yaml")
         res_file = work / f"{name}.json"
-        must(sh([*launch, str(path), str(res_file)], log=work / "commands.log"), name)
+        must(sh(launch(str(path), str(res_file)), log=work / "commands.log"), name)
         out[name] = json.loads(res_file.read_text())
     # Which operation of a backward waits (torch reports autograd's waits without their lines): one run
     # stopped at its 6th backward, under the debug mode's error setting and anomaly mode.
@@ -285,7 +282,7 @@ def stage_syncs(work: Path, sh_: dict) -> dict:
     rec["train"]["gradient_accumulation_steps"] = 4
     rec["data"]["sources"] = [{"path": f"synthetic:tokens?rows=40&min_len={seq}&max_len={seq}"}]
     path = write_recipe(rec, work / "syncs_probe.yaml")
-    must(sh([sys.executable, "-m", "benchmarks.gpu.syncs", str(path), str(res_file), "--probe-backward"],
+    must(sh(python_m("benchmarks.gpu.syncs", str(path), str(res_file), "--probe-backward"),
             log=work / "commands.log"), "syncs probe")
     out["probe"] = json.loads(res_file.read_text()).get("backward_probe")
     return out
@@ -304,6 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
+    if a.dry_run:
+        # Tiny shapes gain nothing from a second thread, and on a busy machine (CI, 2 cores) torch's threads
+        # wait on each other: a step took 5 s on 2 threads beside other work and 0.1 s on one. The stage's own
+        # torch and every command it starts (they inherit the environment) run on one thread.
+        os.environ["OMP_NUM_THREADS"] = "1"
     res = STAGES[a.stage](a.work, shapes(a.dry_run))
     (a.work / f"stage_{a.stage}.json").write_text(json.dumps(res, default=str, indent=1))
     print(json.dumps(res, default=str), flush=True)
