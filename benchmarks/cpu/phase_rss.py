@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,23 +34,43 @@ MODEL = ("synthetic:meta-llama/Llama-3.2-1B?layers={layers}&hidden=2048&intermed
          "&vocab=128256")
 
 
-def recipe(base: str, model: str, out: Path) -> dict:
+def recipe(base: str, model: str, out: Path, eval_batches: int = 2) -> dict:
     rec = yaml.safe_load((ROOT / "recipes" / base).read_text())
     rec["model"]["name"] = model
     rec["train"].update({"max_steps": 2, "micro_batch_size": 2, "warmup_steps": 1, "log_every": 1,
                          "save_every": None, "eval_every": None})
-    rec.setdefault("eval", {})["max_batches"] = 2
+    rec.setdefault("eval", {})["max_batches"] = eval_batches
     rec["output"] = {"dir": str(out), "progress_bar": False}
     return rec
 
 
-def run_one(name: str, rec: dict, work: Path, launch: list[str]) -> dict:
+def run_one(name: str, rec: dict, work: Path, launch: list[str], threads: int | None = None) -> dict:
+    p = start(name, rec, work, launch, threads)
+    try:
+        return finish(name, rec, p)
+    finally:
+        stop(p)
+
+
+def start(name: str, rec: dict, work: Path, launch: list[str], threads: int | None = None) -> subprocess.Popen:
+    """The run launched, its output to work/NAME.log; in a session of its own, so a failed sibling's cleanup
+    takes its launcher's processes too."""
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(rec, sort_keys=False))
-    p = subprocess.run([*launch, str(path)], cwd=ROOT, env=child_env(), capture_output=True, text=True,
-                       timeout=3600)
-    if p.returncode != 0:
-        raise RuntimeError(f"{name} failed (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}")
+    with (work / f"{name}.log").open("w") as log:
+        return subprocess.Popen([*launch, str(path)], cwd=ROOT, env=child_env(threads), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(name: str, rec: dict, p: subprocess.Popen) -> dict:
+    try:
+        code = p.wait(timeout=3600)
+    except subprocess.TimeoutExpired:
+        stop(p)
+        raise RuntimeError(f"{name} did not end within an hour") from None
+    if code != 0:
+        out = (Path(p.args[-1]).with_suffix(".log")).read_text()
+        raise RuntimeError(f"{name} failed (exit {code}):\n{out[-3000:]}")
     mem = json.loads((Path(rec["output"]["dir"]) / "memory.json").read_text())
     growth, peak = {}, {}
     for rank in mem["ranks"]:
@@ -56,6 +79,20 @@ def run_one(name: str, rec: dict, work: Path, launch: list[str]) -> dict:
             peak.setdefault(phase, []).append(round(v["peak_rss"] / GIB, 3))
     return {"growth_gib": growth, "peak_gib": peak, "start_gib": [round(r["start_rss"] / GIB, 3) for r in mem["ranks"]],
             "plan_gib": {k: round(v / GIB, 3) for k, v in (mem.get("plan") or {}).items()}}
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
 
 
 def plan_errors(res: dict) -> dict:
@@ -81,7 +118,10 @@ def packed_bytes(model: str) -> int:
     return w["base_4bit"]
 
 
-def run(layers: int = 16, only: list[str] | None = None, model: str | None = None) -> dict:
+def run(layers: int = 16, only: list[str] | None = None, model: str | None = None, threads: int | None = None,
+        together: bool = False, eval_batches: int = 2) -> dict:
+    """`threads`: OMP_NUM_THREADS of every run (default: torch's own for the one process; accelerate gives each
+    of 2 FSDP processes one thread on 2 cores). `together`: the runs side by side, not one after another."""
     model = model or MODEL.format(layers=layers)
     from finetune.weights.built.synthetic import synthetic_dir
 
@@ -98,12 +138,10 @@ def run(layers: int = 16, only: list[str] | None = None, model: str | None = Non
             "fsdp1": ("tiny_cpu_fsdp.yaml", {"fsdp": {"version": 1}}, [*accelerate1, "-m", "finetune"])}
     chosen = only or list(runs)
     res = {"model": model, "packed_4bit_gib": round(packed_bytes(model) / GIB, 3), "runs": chosen}
-    for name in chosen:
-        base, sections, launch = runs[name]
-        rec = recipe(base, model, work / name)
-        for k, v in sections.items():
-            rec.setdefault(k, {}).update(v)
-        res[name] = run_one(name, rec, work, launch)
+    try:
+        _runs(res, chosen, runs, model, work, threads, together, eval_batches)
+    finally:  # the run dirs (adapters, checkpoints: 0.3 GB on the 2 GB model) are not needed once measured
+        shutil.rmtree(work, ignore_errors=True)
     whole = {n: max(max(g) for g in res[n]["growth_gib"].values()) for n in chosen}
     if "single" in whole:
         for n in ("fsdp2", "fsdp1"):
@@ -112,6 +150,36 @@ def run(layers: int = 16, only: list[str] | None = None, model: str | None = Non
     res["whole_run_growth_gib"] = whole
     res["plan_error"] = plan_errors(res)
     return res
+
+
+def _runs(res: dict, chosen: list[str], runs: dict, model: str, work: Path, threads: int | None, together: bool,
+          eval_batches: int) -> None:
+    recs = {}
+    for name in chosen:
+        base, sections, launch = runs[name]
+        rec = recipe(base, model, work / name, eval_batches)
+        for k, v in sections.items():
+            rec.setdefault(k, {}).update(v)
+        recs[name] = rec
+    if not together:
+        for name in chosen:
+            res[name] = run_one(name, recs[name], work, runs[name][2], threads)
+        return
+    # RSS is each process's own, so the runs may share the machine: under FSDP one rank quantizes while the
+    # other waits, and the one process's load fills that core. Each launcher gets a port of its own.
+    procs = {}
+    try:
+        for name in chosen:
+            launch = runs[name][2]
+            if "--config_file" in launch:  # accelerate's: its static rendezvous would take port 29500 for both
+                at = launch.index("--config_file") + 2
+                launch = [*launch[:at], "--main_process_port", str(free_port()), *launch[at:]]
+            procs[name] = start(name, recs[name], work, launch, threads)
+        for name in chosen:
+            res[name] = finish(name, recs[name], procs[name])
+    finally:
+        for p in procs.values():
+            stop(p)
 
 
 def main(argv: list[str] | None = None) -> int:
