@@ -281,6 +281,7 @@ def save_or_stop(run: Run, stop: StopSignal) -> bool:
     if run.step < run.total_steps and stop.requested(run.acc, run.host_group):
         if not saved:
             save_checkpoint(run)
+        stop.launcher_died()  # said here if `requested` asked too early (see StopSignal.launcher_died)
         log.info(f"stopped by signal {stop.signum}: wrote checkpoints/step-{run.step}; re-run the same command "
                  "to resume")
         return True
@@ -294,6 +295,7 @@ def stop_now(run: Run, stop: StopSignal) -> None:
     if run.step > 0 and not global_sum(run.acc, float(on_disk)):
         save_checkpoint(run)
     where = f"checkpoints/step-{run.step}" if run.step else "no checkpoint (no step finished)"
+    stop.launcher_died()
     log.info(f"stopped by signal {stop.signum} during step {run.step + 1}, which was abandoned: {where}; "
              "re-run the same command to resume")
 

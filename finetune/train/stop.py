@@ -47,7 +47,10 @@ class StopSignal:
             parent_death_signal(signal.SIGTERM)
 
     def launcher_died(self) -> bool:
-        """Whether the launcher that started this worker is gone (the worker was re-parented)."""
+        """Whether the launcher that started this worker is gone (the worker was re-parented); says so once.
+        The kernel's SIGTERM can come before the re-parenting shows: when the launcher's thread that started
+        this worker exits first, the worker is handed to another of its threads (the same pid) until the last
+        one exits. So the loop asks again after the stop's checkpoint, before saying why it stopped."""
         if self.launcher is None or os.getppid() == self.launcher:
             return False
         log.warning(f"the launcher (pid {self.launcher}) is gone: stopping at the next micro-batch boundary "
