@@ -72,11 +72,12 @@ def tok():
 
 
 # The slowest modules (scripts/test_durations.py on a run's test-results/durations.json), started first: under
-# `-n 2 --dist loadscope` each worker takes the next module in collection order, and a long module taken last
-# becomes the run's tail while the other worker sits idle. The rest keep their order.
-SLOWEST_FIRST = ["test_gpu_proof.py", "test_phase_memory.py", "test_readme_figures.py", "test_new_user.py",
-                 "test_preference.py", "test_fsdp_train.py", "test_crash_safety.py", "test_adapter_methods.py",
-                 "test_untrusted_files.py", "test_distributed_faults.py"]
+# `-n 2 --dist loadscope` the workers take their first modules in turns (the 1st, 3rd, 5th... to one, the 2nd,
+# 4th... to the other) and a long module taken last becomes the run's tail while the other worker sits idle.
+# Listed so that the turns share the work evenly; the rest keep their order.
+SLOWEST_FIRST = ["test_phase_memory.py", "test_readme_figures.py", "test_gpu_proof.py", "test_new_user.py",
+                 "test_preference.py", "test_fsdp_train.py", "test_adapter_methods.py", "test_untrusted_files.py",
+                 "test_crash_safety.py", "test_distributed_faults.py"]
 
 
 def pytest_collection_modifyitems(config, items):
