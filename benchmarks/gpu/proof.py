@@ -28,8 +28,8 @@ from pathlib import Path
 from benchmarks.common import ROOT, child_env, commit, last_json_line, now
 
 # name, what it proves, estimated seconds on a GPU, on the CPU dry run, and its cap on a GPU. The dry run's
-# estimates are what its stages took on 2 busy cores (other work beside it), rounded up; models' waits for the
-# warm process's imports, the first warm stage's.
+# estimates are what its stages took on 2 busy cores (other work beside it), rounded up; models', the first
+# stage to use the warm process, includes waiting for that process's imports.
 STAGES = [
     ("env", "GPU, driver, versions, bitsandbytes' CUDA kernels against CPU/dequantized references, ceilings",
      45, 15, 120),

@@ -4,9 +4,10 @@
 
 Each stage prints its result as the last line of its output, one JSON object. On a GPU the stages use the
 real shapes (a full-depth synthetic Llama 3.1 8B, a 70B-width model of few layers, micro-batch 2 x 2048); with
---dry-run the same code runs on tiny shapes on the CPU (gloo for the world-size-1 FSDP runs), so the wiring,
-the files and the checks are proven before a GPU is used. Training, eval, generate and estimate go through
-finetune's own commands (`python -m finetune ...`, torchrun for FSDP), as a user runs them.
+--dry-run the same code runs on tiny shapes on the CPU (gloo for the world-size-1 FSDP runs, one thread), so
+the wiring, the files and the checks are proven before a GPU is used. Training, eval, generate and estimate go
+through finetune's own commands (`python -m finetune ...`, torchrun for FSDP), as a user runs them; in the dry
+run, through the proof's warm process when it has one (harness.python_m, benchmarks/gpu/warm.py).
 """
 from __future__ import annotations
 
