@@ -67,15 +67,15 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
 
 
 def test_a_short_deadline_skips_stages_and_still_writes_the_summary(tmp_path):
-    # env's dry-run estimate (15 s) fits in 20 s, and it runs under a 20 s cap; what is left after it holds
-    # at most the short stages' estimates, never single's or the FSDP stages' (25 s)
-    p = proof(tmp_path / "out", tmp_path / "work", "--deadline", "20", timeout=400)
+    # env (dry-run estimate 15 s) fits in 28 s and runs under a 28 s cap, about twice what it takes on 2 busy
+    # cores; what is left after it (a fresh interpreter's imports alone take more than 3 s) is under single's
+    # estimate of 25 s, so single is skipped whatever the machine's load
+    p = proof(tmp_path / "out", tmp_path / "work", "--stages", "env,single", "--deadline", "28", timeout=400)
     assert p.returncode == 1  # not every stage ran
     res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
-    assert len(res) == 13
-    skipped = [n for n, r in res.items() if r["status"] == "skipped"]
-    assert skipped and all("left of the deadline" in res[n]["why"] for n in skipped)
-    assert res["env"]["status"] == "ok"
+    assert list(res) == ["env", "single"]
+    assert res["single"]["status"] == "skipped" and "left of the deadline" in res["single"]["why"], res["single"]
+    assert res["env"]["status"] == "ok", res["env"]
     # every stage says when and at which commit it ran (the results page merges stages of several runs)
     assert all({"date", "commit", "device"} <= set(r) for r in res.values())
     assert "stage     status" in p.stdout and "skipped" in (tmp_path / "out" / "RESULTS_GPU.md").read_text()
