@@ -69,17 +69,3 @@ def tok():
     from finetune.util import builtin as tiny
 
     return AutoTokenizer.from_pretrained(tiny.ASSETS / f"tiny-llama-{tiny.VERSION}")
-
-
-# The slowest modules (scripts/test_durations.py on a run's test-results/durations.json), started first: under
-# `-n 2 --dist loadscope` the workers take their first modules in turns (the 1st, 3rd, 5th... to one, the 2nd,
-# 4th... to the other) and a long module taken last becomes the run's tail while the other worker sits idle.
-# Listed so that the turns share the work evenly; the rest keep their order.
-SLOWEST_FIRST = ["test_phase_memory.py", "test_readme_figures.py", "test_gpu_proof.py", "test_new_user.py",
-                 "test_preference.py", "test_fsdp_train.py", "test_adapter_methods.py", "test_untrusted_files.py",
-                 "test_crash_safety.py", "test_distributed_faults.py"]
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort

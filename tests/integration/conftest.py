@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,14 @@ def run(trained_run, tmp_path):
     copy = tmp_path / "run"
     shutil.copytree(trained_run, copy)
     return copy
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _embedded_default_first(request):
+    """The embedded default (~2 minutes on one thread) is built before anything else when a collected test
+    needs it, by one worker (the other goes on with its tests): xdist's loadscope hands out modules by their
+    number of tests, largest first, so its 2-test module came last and its run was the suite's tail."""
+    if os.environ.get("PYTEST_XDIST_WORKER", "gw1") != "gw1":
+        return
+    if any("embedded_default" in getattr(item, "fixturenames", ()) for item in request.session.items):
+        request.getfixturevalue("embedded_default")
