@@ -51,14 +51,69 @@ def tiny_data_dir():
     return tiny.dataset_dir()
 
 
-def run_cli(args, cwd=None, timeout=600, env=None):
-    """Run `python -m finetune ...` in a subprocess; returns CompletedProcess with text output."""
+def run_cli(args, cwd=None, timeout=600, env=None, fresh=False, input=None):
+    """Run `python -m finetune ...` in a subprocess; returns CompletedProcess with text output.
+
+    The command runs in a fork of this worker's warm process (benchmarks/gpu/warm.py), which imported torch,
+    transformers, peft, bitsandbytes, accelerate and datasets once: ~5 s of CPU saved per command, the largest
+    share of a tiny run. To the test it is `python -m finetune ARGS` (output, exit code, working directory,
+    environment; what the imports print is printed again). It runs cold where the libraries would read the
+    environment differently at import (HF_HOME and the like), and with `fresh=True`: for the checks whose
+    subject is a fresh interpreter (what a first run prints, what `--help` imports). FINETUNE_TESTS_COLD=1 runs
+    every command cold (to rule the warm process out when a test fails)."""
     import subprocess
 
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=cwd or ROOT, capture_output=True,
-                          text=True, timeout=timeout, env=e)
+    cmd = [sys.executable, "-m", "finetune", *args]
+    sock = None if fresh or os.environ.get("FINETUNE_TESTS_COLD") == "1" else _warm_server()
+    if sock:
+        from benchmarks.gpu.warm import ENV
+
+        e[ENV] = str(sock)
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu" / "warm.py"), "-m", "finetune", *args]
+    return subprocess.run(cmd, cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout, env=e, input=input)
+
+
+WARM_PRELOAD = ("finetune.util.log",  # first, as the CLI imports it first: it quiets a bitsandbytes import notice
+                "torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "safetensors", "tokenizers")
+_warm = {}
+
+
+def _warm_server():
+    """The socket of this process's warm server, started on first use (it imports while the first command
+    waits on its socket) and ended with the process; None where it does not come up (commands run cold)."""
+    if "sock" not in _warm:
+        import atexit
+        import shutil
+        import subprocess
+        import tempfile
+        import time
+
+        from benchmarks.gpu.warm import ENV
+
+        folder = Path(tempfile.mkdtemp(prefix="warm-"))  # short: a socket's path holds at most 107 bytes
+        sock = folder / "sock"
+        env = {k: v for k, v in os.environ.items() if k != ENV}
+        with open(folder / "log", "w") as log:  # what its imports print (each command prints it again)
+            p = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu.warm", "serve", str(sock),
+                                  ",".join(WARM_PRELOAD)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL)
+        deadline = time.time() + 30
+        while not sock.exists() and p.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        _warm["sock"] = sock if sock.exists() else None
+
+        def stop():
+            p.terminate()
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            shutil.rmtree(folder, ignore_errors=True)
+
+        atexit.register(stop)
+    return _warm["sock"]
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,13 @@ code); the client forwards the signals it gets (SIGTERM, SIGINT, SIGHUP) and exi
 a caller, torchrun included, sees an ordinary child. A client killed outright (a stage's cap) takes the fork's
 process group with it. The client itself imports nothing heavy; where no server answers it runs the command
 cold (exec). Never used on a GPU: there the stages run every command as a user does.
+
+What a fork cannot take from the client is what the libraries read from the environment as they are imported
+(the hub's cache and offline settings, torch's and CUDA's switches): a client whose such variables (IMPORT_ENV)
+differ from the server's runs cold. What the imports printed (to stdout or stderr) is printed again at the
+start of every command, so a command's output holds what a fresh interpreter's would (a warning on import
+included). The server ends when the process that started it does. The test suite's run_cli uses the same
+server (tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -27,7 +34,14 @@ import sys
 ENV = "FINETUNE_PROOF_WARM"
 PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "safetensors", "tokenizers")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# Variables the preloaded libraries read at import (huggingface_hub's and datasets' paths and offline mode,
+# transformers' verbosity, torch's and CUDA's switches, the thread pools), and the home their caches default
+# under. torchrun's own TORCHELASTIC_* variables are read at run time, not at import.
+IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_",
+              "BNB_", "BITSANDBYTES_", "TOKENIZERS_", "SAFETENSORS_", "PEFT_", "TRITON_", "XDG_", "LD_", "MKL_",
+              "KMP_", "OPENBLAS_", "HOME", "PYTHONHASHSEED", "PYTHONSAFEPATH")
 _SERVER_MAIN = None
+_IMPORT_OUTPUT = (b"", b"")  # what the server's imports wrote to stdout and stderr, for every command to print
 
 
 def _send(conn: socket.socket, obj, fds: list[int] | None = None) -> None:
@@ -87,7 +101,10 @@ def client(argv: list[str]) -> int:
         reply, _ = _recv(conn)
         if reply is None:
             raise OSError("the server closed the connection")
-    except OSError:  # no server, or it is gone: nothing has run yet, so the command starts cold
+        if "cold" in reply:
+            raise OSError(reply["cold"])
+    except OSError:  # no server, it is gone, or it was imported under another environment: nothing has run yet,
+        # so the command starts cold
         conn.close()
         os.execv(sys.executable, [sys.executable, *(["-u"] if _unbuffered() else []), *argv])
     pid = reply["pid"]
@@ -110,15 +127,16 @@ def client(argv: list[str]) -> int:
 def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict:
     """Listen first (clients queue while the imports run), import, then fork a handler per connection.
     Returns only in a command's process, with its request."""
+    global _IMPORT_OUTPUT
+    parent = os.getppid()
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
-    import importlib
-
-    for name in preload:
-        importlib.import_module(name)
+    _IMPORT_OUTPUT = _captured(preload)
     listener.settimeout(1.0)
     while True:
+        if os.getppid() != parent:  # whoever started the server is gone (a test run killed): so is the server
+            os._exit(0)
         try:
             conn, _ = listener.accept()
         except TimeoutError:
@@ -140,11 +158,51 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD) -> dict:
         conn.close()
 
 
+def _captured(preload: tuple[str, ...]) -> tuple[bytes, bytes]:
+    """Import `preload` with file descriptors 1 and 2 going to files; returns what was written to each, also
+    passed on to the server's own stdout and stderr."""
+    import importlib
+    import tempfile
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        saved = [os.dup(1), os.dup(2)]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            for name in preload:
+                importlib.import_module(name)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, old in zip((1, 2), saved):
+                os.dup2(old, fd)
+                os.close(old)
+        written = []
+        for fd, f in zip((1, 2), (out, err)):
+            f.seek(0)
+            data = f.read()
+            os.write(fd, data)
+            written.append(data)
+    return written[0], written[1]
+
+
+def _import_env(env) -> dict:
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV) and not k.startswith("TORCHELASTIC_")}
+
+
 def handle(conn: socket.socket) -> dict:
     """In the handler: fork the command's process, tell the client its pid, and report how it ended; kill its
-    process group if the client goes first. Returns only in the command's process."""
+    process group if the client goes first. Returns only in the command's process. A client whose environment
+    differs from the server's where the imports read it is told to run cold."""
     req, fds = _recv(conn, with_fds=True)
     if req is None:
+        os._exit(0)
+    ours, theirs = _import_env(os.environ), _import_env(req["env"])
+    if ours != theirs:
+        names = sorted(k for k in ours.keys() | theirs.keys() if ours.get(k) != theirs.get(k))
+        _send(conn, {"cold": "imported under another " + ", ".join(names)})
         os._exit(0)
     pid = os.fork()
     if pid == 0:
@@ -216,6 +274,9 @@ def run(req: dict) -> None:
 
         if torch.get_num_threads() != int(threads):
             torch.set_num_threads(int(threads))
+    for fd, data in zip((1, 2), _IMPORT_OUTPUT):  # what a fresh interpreter would have printed on import
+        if data:
+            os.write(fd, data)
     global _SERVER_MAIN
     _SERVER_MAIN = sys.modules["__main__"]  # this module, run as __main__: kept alive while the command runs
     sys.modules["__main__"] = types.ModuleType("__main__")

@@ -80,9 +80,10 @@ def embedded_default(tmp_path_factory):
 
     def build(root):
         run, fresh = root / "tiny_cpu", {"FINETUNE_CACHE": str(root / "cache")}  # a fresh clone's empty cache
+        # fresh interpreters, as a user's first commands start: their stderr is checked for library noise
         trained = run_cli(["recipes/tiny_cpu.yaml", f"output.dir={run}", "output.progress_bar=false"], timeout=1500,
-                          env=fresh)
-        scored = run_cli(["eval", str(run), "--json"], env=fresh) if trained.returncode == 0 else trained
+                          env=fresh, fresh=True)
+        scored = run_cli(["eval", str(run), "--json"], env=fresh, fresh=True) if trained.returncode == 0 else trained
         (root / "commands.json").write_text(json.dumps(
             {name: {"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
              for name, p in (("train", trained), ("eval", scored))}))

@@ -4,8 +4,6 @@ answer must equal `generate --messages` on the same conversation, greedy, so cha
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import pytest
 from finetune import cli
 from finetune import recipe as R
 
+from ..conftest import run_cli
 from .procs import pty_chat
 
 pytestmark = pytest.mark.slow
@@ -63,9 +62,8 @@ def test_chat_from_a_script_drops_old_turns_to_fit_the_context(run_dir):
     long = " ".join(f"w{i}" for i in range(100))
 
     def chat(lines):
-        proc = subprocess.run([sys.executable, "-m", "finetune", "chat", str(run_dir), "--max-new-tokens", "8"],
-                              input="".join(line + "\n" for line in lines), capture_output=True, text=True, env=ENV,
-                              cwd=ROOT, timeout=600)
+        proc = run_cli(["chat", str(run_dir), "--max-new-tokens", "8"], input="".join(line + "\n" for line in lines),
+                       env=ENV)
         assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
         return proc
 
@@ -84,7 +82,6 @@ def test_chat_without_a_chat_template_exits_2_with_one_line(run_dir, tmp_path):
     cfg.pop("chat_template")
     config.write_text(json.dumps(cfg))
     (bare / "adapter" / "chat_template.jinja").unlink()
-    proc = subprocess.run([sys.executable, "-m", "finetune", "chat", str(bare)], input="hi\n", capture_output=True,
-                          text=True, env=ENV, cwd=ROOT, timeout=300)
+    proc = run_cli(["chat", str(bare)], input="hi\n", env=ENV, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "has no chat template" in proc.stderr and proc.stdout == ""

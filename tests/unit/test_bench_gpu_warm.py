@@ -1,9 +1,11 @@
 """benchmarks/gpu/warm.py, the dry run's warm process: a command forked from it behaves, to its caller, as
 `python -m MODULE` started fresh (output, exit status, working directory, environment and PYTHONPATH,
-signals), a client killed outright takes the command with it, and without a server the command runs cold.
-The server here preloads nothing, so the test costs no torch import."""
+signals), a client killed outright takes the command with it, and without a server the command runs cold; what
+the server's imports printed, each command prints; a client whose environment the imports would have read
+differently runs cold. The servers here preload nothing heavy, so the test costs no torch import."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,21 +37,36 @@ if mode == "die":
 '''
 
 
-@pytest.fixture(scope="module")
-def server():
+NOISY = """import sys
+print("said on import, to stdout")
+print("said on import, to stderr", file=sys.stderr)
+"""
+
+
+def _serve(preload: str):
     folder = Path(tempfile.mkdtemp(prefix="warm-test-"))
     sock = folder / "sock"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu.warm", "serve", str(sock), ""], cwd=ROOT, env=env,
-                         start_new_session=True)
+    (folder / "warm_noisy.py").write_text(NOISY)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{folder}"}
+    p = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu.warm", "serve", str(sock), preload], cwd=ROOT, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 30
     while not sock.exists() and time.time() < deadline:
         time.sleep(0.02)
     yield sock, p.pid
     p.terminate()
     p.wait(timeout=10)
-    sock.unlink(missing_ok=True)
-    folder.rmdir()
+    shutil.rmtree(folder)
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from _serve("")
+
+
+@pytest.fixture(scope="module")
+def noisy_server():
+    yield from _serve("warm_noisy")
 
 
 def _client(tmp_path: Path, sock: Path | None, *args: str, **kw):
@@ -103,3 +120,22 @@ def test_without_a_server_the_command_runs_cold(tmp_path):
     assert json.loads(p.stdout)["forked"] is False
     cmd, kw = _client(tmp_path, tmp_path / "no-such-socket", "show", "cold")
     assert subprocess.run(cmd, capture_output=True, text=True, timeout=60, **kw).returncode == 7
+
+
+def test_what_the_imports_printed_each_command_prints(noisy_server, tmp_path):
+    cmd, kw = _client(tmp_path, noisy_server[0], "show", "x")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, **kw)
+    assert p.returncode == 7 and json.loads(p.stdout.splitlines()[-1])["forked"] is True
+    assert p.stdout.splitlines()[0] == "said on import, to stdout"
+    assert p.stderr.splitlines() == ["said on import, to stderr", "to stderr"]
+
+
+def test_a_client_whose_imports_would_read_another_environment_runs_cold(noisy_server, tmp_path):
+    cmd, kw = _client(tmp_path, noisy_server[0], "show", "x")
+    kw["env"]["HF_HOME"] = str(tmp_path / "hf")  # huggingface_hub reads it on import
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, **kw)
+    assert p.returncode == 7 and json.loads(p.stdout)["forked"] is False and p.stderr.strip() == "to stderr"
+    kw["env"]["TORCHELASTIC_RUN_ID"] = "x"  # read at run time: no reason to start cold
+    kw["env"].pop("HF_HOME")
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, **kw)
+    assert json.loads(p.stdout.splitlines()[-1])["forked"] is True
