@@ -54,7 +54,8 @@ from finetune.train.keepers.metrics import Metrics
 from finetune.train.keepers.resume import Restored, Resume
 from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
 from finetune.train.lora import apply_lora, enable_checkpointing, load_adapter_into, trainable_report
-from finetune.train.loss import loss_totals, setup_forward
+from finetune.train.kernels import apply_kernels
+from finetune.train.loss import loss_totals, setup_forward, unwrapped
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.preference import eval_totals
@@ -110,6 +111,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     with mem.phase("restore"):  # everything else a resume restores, in one call (keepers.resume)
         restored = resume.restore(s.acc, optim, a.total_steps, dpo_key(recipe, s.prepared.stats))
     with mem.phase("forward"):
+        apply_kernels(unwrapped(model), recipe.train.kernels)  # first: lean.apply leaves the patched modules be
         offload = setup_forward(model, recipe.model.activation_offloading)  # lean modules, offloading
     if recipe.train.method == "dpo":
         with mem.phase("reference"):  # the starting policy's log-probs of every pair, once (train.refpolicy)
