@@ -213,7 +213,8 @@ def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
                        if run.scaler.enabled else {})
             run.metrics.log(run.step, epoch=run.epoch, loss=round(loss, 6), lr=last["lr"],
                             grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
-                            tokens_per_s=rate.per_second(), **skipped, **(run.step_stats or {}))
+                            tokens_per_s=rate.per_second(), **rate.host_and_wall(run), **skipped,
+                            **(run.step_stats or {}))
             rate.reset()
         guard.check_step(run, loss, grad_norm, lambda v: global_sum(run.acc, v))  # NaN/inf: stop, never save it
         if t.eval_every and run.step % t.eval_every == 0 and run.eval_batches:
@@ -309,10 +310,18 @@ class TokenRate:
         self.reset()
 
     def reset(self):
-        self.tokens, self.since = 0, time.perf_counter()
+        self.tokens, self.steps, self.since = 0, 0, time.perf_counter()
 
     def add(self, tokens: float):
         self.tokens += tokens
+        self.steps += 1
+
+    def host_and_wall(self, run) -> dict:
+        """Host CPU time and wall time per step since the last log (the run's host time restarts)."""
+        steps, host = max(self.steps, 1), run.host_s
+        run.host_s = 0.0
+        return {"host_s_per_step": round(host / steps, 4),
+                "s_per_step": round((time.perf_counter() - self.since) / steps, 4)}
 
     def per_second(self) -> float:
         return round(self.tokens / max(time.perf_counter() - self.since, 1e-9), 1)
