@@ -36,6 +36,7 @@ ARMS = {"today": {},
 # settings a CPU cannot run (the dry run drops them from `all` and skips an arm of nothing else), and why
 GPU_ONLY = {"train.kernels": "liger's Triton kernels need a CUDA GPU"}
 UNSLOTH_SITE = "FINETUNE_UNSLOTH_SITE"  # where unsloth's wheels are installed (--target); default /tmp/usite
+ONLY = "FINETUNE_SPEED_ARMS"  # a comma-separated subset of ARMS (a GPU session short of time); default all
 
 
 def arm_recipe(sh_: dict, work: Path, name: str, settings: dict) -> dict:
@@ -85,7 +86,11 @@ def stage_speed(work: Path, sh_: dict) -> dict:
     """finetune's arms, then TRL, then each arm's ratios to TRL."""
     out: dict = {"arms": {}}
     cpu = sh_["device"] == "cpu"
+    only = [a for a in os.environ.get(ONLY, "").split(",") if a]
     for name, settings in ARMS.items():
+        if only and name not in only:
+            out["arms"][name] = {"status": "skipped", "why": f"not in {ONLY}"}
+            continue
         dropped = {k: GPU_ONLY[k] for k in settings if cpu and k in GPU_ONLY}
         kept = {k: v for k, v in settings.items() if k not in dropped}
         if dropped and not kept:

@@ -36,7 +36,7 @@ def kernel_problems(kernels: str, model_type: str | None, cuda_devices: int) -> 
         out.append(Problem(level="error", path="train.kernels",
                            message=f"liger does not apply to {model_type} models: {why} (it applies to "
                                    f"{', '.join(sorted(FAMILIES))})", fix="set train.kernels: none for this model"))
-    if not cuda_devices:
+    if not cuda_devices:  # physical: Triton compiles GPU kernels only; a CPU run has nothing for it to run
         out.append(Problem(level="error", path="train.kernels",
                            message="liger's kernels are Triton GPU kernels and this machine has no CUDA GPU",
                            fix="set train.kernels: none on CPU"))
