@@ -38,7 +38,7 @@ def main(argv: list[str]) -> int:
 
     steps = s["warmup"] + s["steps"]
     model, tok = FastLanguageModel.from_pretrained(model_name=s["model_dir"], max_seq_length=s["seq"],
-                                                   dtype=torch.bfloat16, load_in_4bit=True, local_files_only=True)
+                                                   dtype=torch.bfloat16, load_in_4bit=True)
     model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
                                              bias="none", use_gradient_checkpointing="unsloth", random_state=0)
     tok.pad_token = tok.pad_token or tok.eos_token
