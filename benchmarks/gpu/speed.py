@@ -33,9 +33,13 @@ ARMS = {"today": {},
         "compile": {"train.compile": True},
         "kernels": {"train.kernels": "liger"},
         "all": {"model.gradient_checkpointing": "auto", "train.compile": True, "train.kernels": "liger"}}
-# settings a CPU cannot run (the dry run drops them from `all` and skips an arm of nothing else), and why
-GPU_ONLY = {"train.kernels": "liger's Triton kernels need a CUDA GPU"}
+# settings the dry run leaves out (dropped from `all`; an arm left with nothing of its own is skipped), and why
+DRY_LEFT_OUT = {"train.kernels": "GPU only: liger's Triton kernels need a CUDA GPU",
+                # CI time: inductor's C++ build takes minutes on 2 cores even for the tiny shapes, and
+                # train.compile's own tests run it on CPU (FINETUNE_SPEED_DRY_COMPILE=1 compiles here too)
+                "train.compile": "not compiled in the dry run: inductor's CPU build takes minutes"}
 UNSLOTH_SITE = "FINETUNE_UNSLOTH_SITE"  # where unsloth's wheels are installed (--target); default /tmp/usite
+DRY_COMPILE = "FINETUNE_SPEED_DRY_COMPILE"  # set: the dry run compiles too (minutes on a small CPU)
 ONLY = "FINETUNE_SPEED_ARMS"  # a comma-separated subset of ARMS (a GPU session short of time); default all
 
 
@@ -82,19 +86,34 @@ def read_arm(run_dir: Path, rec: dict, sh_: dict) -> dict:
             "attention": resolve_attention(rec["model"].get("attn_implementation", "sdpa"), quiet=True)}
 
 
+def arm_plan(name: str, settings: dict, cpu: bool, only: list[str]) -> tuple[dict, str | None]:
+    """(the settings the arm runs with here, why it is skipped or None). On CPU the dry run leaves out
+    DRY_LEFT_OUT's settings; an arm left with none of its own, or with another arm's, is skipped."""
+    if only and name not in only:
+        return settings, f"not in {ONLY}"
+    compiles = bool(os.environ.get(DRY_COMPILE))
+    left_out = {k: why for k, why in DRY_LEFT_OUT.items() if cpu and not (k == "train.compile" and compiles)}
+    kept = {k: v for k, v in settings.items() if k not in left_out}
+    if kept == settings:
+        return settings, None
+    why = "; ".join(left_out[k] for k in settings if k not in kept)
+    same = [n for n, other in ARMS.items() if n != name and other == kept]
+    if not kept:
+        return kept, why
+    if same:
+        return kept, f"{why} (the rest is arm {same[0]})"
+    return kept, None
+
+
 def stage_speed(work: Path, sh_: dict) -> dict:
     """finetune's arms, then TRL, then each arm's ratios to TRL."""
     out: dict = {"arms": {}}
     cpu = sh_["device"] == "cpu"
     only = [a for a in os.environ.get(ONLY, "").split(",") if a]
     for name, settings in ARMS.items():
-        if only and name not in only:
-            out["arms"][name] = {"status": "skipped", "why": f"not in {ONLY}"}
-            continue
-        dropped = {k: GPU_ONLY[k] for k in settings if cpu and k in GPU_ONLY}
-        kept = {k: v for k, v in settings.items() if k not in dropped}
-        if dropped and not kept:
-            out["arms"][name] = {"status": "skipped", "why": "GPU only: " + "; ".join(dropped.values())}
+        kept, skip = arm_plan(name, settings, cpu, only)
+        if skip:
+            out["arms"][name] = {"status": "skipped", "why": skip}
             continue
         rec = arm_recipe(sh_, work, name, kept)
         why = unavailable(rec, kept)
@@ -103,8 +122,8 @@ def stage_speed(work: Path, sh_: dict) -> dict:
             continue
         train_and_read(rec, work, f"speed_{name}", sh_)
         res = {"status": "ok", "settings": kept, **read_arm(work / f"speed_{name}", rec, sh_)}
-        if dropped:
-            res["dropped_on_cpu"] = dropped
+        if kept != settings:
+            res["left_out"] = {k: DRY_LEFT_OUT[k] for k in settings if k not in kept}
         out["arms"][name] = res
     out["trl"] = trl_arm(work, sh_)
     out["over_trl"] = {name: ratios(a, out["trl"]) for name, a in out["arms"].items() if a["status"] == "ok"}
