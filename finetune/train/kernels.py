@@ -4,7 +4,9 @@
 (`liger_kernel.transformers.apply_liger_kernel_to_<family>(model=...)`): RMSNorm, RoPE and the gated MLP's
 activation (SwiGLU, GeGLU for Gemma) fused, on the loaded model's own modules. Its cross-entropy kernels stay
 off: the loss is finetune's chunked head (train/loss.py), which never holds a whole batch's logits either.
-Patched modules carry an instance `forward`, so the memory-lean swap (train/lean.py) leaves them alone.
+Patched modules carry an instance `forward`, so the memory-lean swap (train/lean.py) leaves them alone; Liger's
+norm keeps its input and its SwiGLU the two projections for backward, the layouts the planner counts for the
+lean modules (to be checked on a GPU: the speed stage's kernels arm beside today's peak).
 
 Checked before any weights load (`kernel_problems`, from the preflight): the family must be one Liger patches
 and finetune has run under it (FAMILIES), the machine must have a CUDA GPU (Triton compiles GPU kernels: there
