@@ -46,6 +46,10 @@ STAGES = [
      100, 10, 240),
     ("adapters", "DoRA beside LoRA on the 4-layer 8B-width model, one process: tokens/s and memory vs plan", 60, 10, 240),
     ("preference", "DPO and ORPO through the loop on the builtin pairs, then eval's preference accuracy", 130, 15, 240),
+    # a call of its own on a GPU (`--stages speed --deadline 560`): five 8B runs, TRL's beside them
+    ("speed", "8B at 2 x 2048: today, checkpointing auto, compile, liger kernels, all; TRL beside: tokens/s, "
+     "memory, curves, host time", 360, 20, 570),
+    ("speed_unsloth", "unsloth on the same 8B rows in its own interpreter path, beside the speed arms", 150, 5, 400),
 ]
 FILES = ("results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log")
 

@@ -155,9 +155,41 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
         return [f"- TRL: {kv(r['trl'])}", f"- finetune over TRL: {kv(r.get('finetune_over_trl') or {})}"]
     if name == "moe":
         return _run_rows("moe", r)
+    if name in ("speed", "speed_unsloth"):
+        return _speed_rows(r)
     if name in ("adapters", "preference"):
         out = []
         for run, v in r.items():
             out += _run_rows(run, v) if isinstance(v, dict) and "memory" in v else [f"- {run}: {kv(v)}"]
         return out
     return [f"- {k}: {kv(v)}" for k, v in r.items() if k not in SCRATCH]
+
+
+def _speed_rows(r: dict) -> list[str]:
+    """The speed stages: one row per arm (ours, then the peers), skipped arms with their reason."""
+    if r.get("status") == "skipped":
+        return [f"- skipped: {r['why']}"]
+    arms = dict(r.get("arms") or {})
+    for peer in ("trl", "unsloth"):
+        if isinstance(r.get(peer), dict):
+            arms[peer] = {"status": "ok", **r[peer], "trained_tokens_per_s": r[peer]["tokens_per_s"],
+                          "steps_memory_gib": r[peer]}
+    out = ["| arm | tokens/s | s/step | host s/step | steps peak allocated / reserved (GiB) or RSS | attention | "
+           "loss first -> last | gradients | x TRL tokens/s |", "|---|---|---|---|---|---|---|---|---|"]
+    ratios = r.get("over_trl") or {}
+    for name, a in arms.items():
+        if a["status"] != "ok":
+            out.append(f"| {name} | {a['status']}: {a['why']} | | | | | | | |")
+            continue
+        m = a["steps_memory_gib"]
+        mem = (f"{_f(m.get('peak_allocated_gib'))} / {_f(m.get('peak_reserved_gib'))}" if "peak_allocated_gib" in m
+               else f"{_f(m.get('peak_rss_gib'))} RSS")
+        losses, norms = a.get("losses") or [None], a.get("grad_norms") or []
+        ok = a.get("gradients_ok", all(isinstance(g, float) and g > 0 for g in norms))
+        out.append(f"| {name} | {_f(a['trained_tokens_per_s'], 0)} | {_f(a.get('s_per_step'), 3)} | "
+                   f"{_f(a.get('host_s_per_step'), 4)} | {mem} | {a.get('attention')} | {_f(losses[0], 4)} -> "
+                   f"{_f(losses[-1], 4)} | {'non-zero' if ok else 'ZERO or missing'} | "
+                   f"{_f((ratios.get(name) or {}).get('tokens_per_s'), 3)} |")
+    if r.get("over_unsloth"):
+        out.append(f"- over unsloth: {kv(r['over_unsloth'])}")
+    return out

@@ -79,6 +79,9 @@ def figures(stage: str, r: dict) -> tuple[str, str, str]:
         t, ratio = r["trl"], r.get("finetune_over_trl") or {}
         return (f"TRL {t['tokens_per_s']:,.0f} tokens/s, {t['peak_allocated_gib']:.2f} GiB allocated; finetune / TRL "
                 f"{ratio.get('tokens_per_s')}x tokens/s, {ratio.get('peak_allocated')}x allocated", "-", "-")
+    if stage == "speed":  # each arm's trained tokens/s (or why it was skipped), TRL's beside them
+        arms = {n: a["trained_tokens_per_s"] if a["status"] == "ok" else "skipped" for n, a in r["arms"].items()}
+        return f"tokens/s: {kv(arms)}; TRL {r['trl']['tokens_per_s']:,.0f}", "-", "-"
     if stage == "fp16":
         return (f"losses finite {r['losses_finite']}, skipped steps {kv(r['skipped_steps'])}, stopped at "
                 f"{kv(r['checkpoints'])}", "-", "-")

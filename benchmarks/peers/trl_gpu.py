@@ -5,7 +5,8 @@
 Same model files, the same kind of rows (seeded random ids, exactly `seq` long, every token trained), micro-batch
 2, LoRA r16 / alpha 32 on every linear layer, paged 8-bit AdamW, bf16, gradient checkpointing, NF4 with double
 quantization and bf16 compute. TRL's own defaults elsewhere (its quant storage: uint8). Prints one JSON line:
-trained tokens/s over the steps after the warm-up, and torch's peak allocated and reserved memory.
+trained tokens/s over the steps after the warm-up, torch's peak allocated and reserved memory, the loss and
+gradient-norm curves, the attention implementation the model resolved and the host (thread CPU) time per step.
 """
 from __future__ import annotations
 
@@ -48,10 +49,14 @@ def main(argv: list[str]) -> int:
                       task_type="CAUSAL_LM")
     trainer = SFTTrainer(model=model_dir, args=cfg, processing_class=tok, peft_config=lora,
                          train_dataset=datasets.Dataset.from_list(rows))
-    marks = []
+    marks, host = [], []
 
     class Marks(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            host.append(time.thread_time())
+
         def on_step_end(self, args, state, control, **kw):
+            host[-1] = time.thread_time() - host[-1]  # the step's launches and bookkeeping, before the sync
             if cuda:
                 torch.cuda.synchronize()
             marks.append((state.global_step, time.perf_counter()))
@@ -67,7 +72,10 @@ def main(argv: list[str]) -> int:
     out = {"tokens_per_s": tokens_per_step / per_step, "s_per_step": per_step, "timed_steps": len(timed) - 1,
            "seconds": time.perf_counter() - t0, "adapter_dtype": str(next(p.dtype for p in trainer.model.parameters()
                                                                           if p.requires_grad)),
-           "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h][-3:]}
+           "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+           "grad_norms": [h.get("grad_norm") for h in trainer.state.log_history if "loss" in h],
+           "attention": trainer.model.config._attn_implementation,  # what the model resolved
+           "host_s_per_step": sum(host[s["warmup"]:]) / max(1, len(host[s["warmup"]:]))}
     if cuda:
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB

@@ -261,6 +261,11 @@ class TrainSpec(_Section):
     resume: Union[Literal["auto"], bool, str] = "auto"
     """`auto`: continue from the newest complete checkpoint in the output dir if there is one;
     false: start fresh (refuses a dir with checkpoints); or a checkpoint path."""
+    kernels: Literal["none", "liger"] = "none"
+    """Fused GPU kernels for the decoder's element-wise modules. `liger`: Liger Kernel's Triton RMSNorm, RoPE and
+    SwiGLU (GeGLU for Gemma) on Llama, Mistral, Qwen 2 / 3, Phi-3 and Gemma 2 / 3 (`pip install
+    'finetune[kernels]'`); the loss stays the chunked head. `validate` refuses it without a CUDA GPU (Triton
+    compiles GPU kernels only) and for other families. `none`: transformers' own modules."""
 
 
 class EvalSpec(_Section):

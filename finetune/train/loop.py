@@ -54,7 +54,8 @@ from finetune.train.keepers.metrics import Metrics
 from finetune.train.keepers.resume import Restored, Resume
 from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
 from finetune.train.lora import apply_lora, enable_checkpointing, load_adapter_into, trainable_report
-from finetune.train.loss import loss_totals, setup_forward
+from finetune.train.kernels import apply_kernels
+from finetune.train.loss import loss_totals, setup_forward, unwrapped
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.preference import eval_totals
@@ -110,6 +111,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     with mem.phase("restore"):  # everything else a resume restores, in one call (keepers.resume)
         restored = resume.restore(s.acc, optim, a.total_steps, dpo_key(recipe, s.prepared.stats))
     with mem.phase("forward"):
+        apply_kernels(unwrapped(model), recipe.train.kernels)  # first: lean.apply leaves the patched modules be
         offload = setup_forward(model, recipe.model.activation_offloading)  # lean modules, offloading
     if recipe.train.method == "dpo":
         with mem.phase("reference"):  # the starting policy's log-probs of every pair, once (train.refpolicy)
@@ -211,7 +213,8 @@ def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
                        if run.scaler.enabled else {})
             run.metrics.log(run.step, epoch=run.epoch, loss=round(loss, 6), lr=last["lr"],
                             grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
-                            tokens_per_s=rate.per_second(), **skipped, **(run.step_stats or {}))
+                            tokens_per_s=rate.per_second(), **rate.host_and_wall(run), **skipped,
+                            **(run.step_stats or {}))
             rate.reset()
         guard.check_step(run, loss, grad_norm, lambda v: global_sum(run.acc, v))  # NaN/inf: stop, never save it
         if t.eval_every and run.step % t.eval_every == 0 and run.eval_batches:
@@ -307,10 +310,18 @@ class TokenRate:
         self.reset()
 
     def reset(self):
-        self.tokens, self.since = 0, time.perf_counter()
+        self.tokens, self.steps, self.since = 0, 0, time.perf_counter()
 
     def add(self, tokens: float):
         self.tokens += tokens
+        self.steps += 1
+
+    def host_and_wall(self, run) -> dict:
+        """Host CPU time and wall time per step since the last log (the run's host time restarts)."""
+        steps, host = max(self.steps, 1), run.host_s
+        run.host_s = 0.0
+        return {"host_s_per_step": round(host / steps, 4),
+                "s_per_step": round((time.perf_counter() - self.since) / steps, 4)}
 
     def per_second(self) -> float:
         return round(self.tokens / max(time.perf_counter() - self.since, 1e-9), 1)

@@ -18,6 +18,7 @@ from finetune.plan import estimate as E
 from finetune.plan.disk import output_problems
 from finetune.plan.launcher import launcher_problems
 from finetune.recipe import Recipe, contract_problems
+from finetune.train.kernels import kernel_problems
 from finetune.train.keepers.trackers import tracker_problems
 from finetune.util.errors import Problem
 from finetune.util.units import fmt
@@ -268,6 +269,8 @@ def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = 
         gpus = int(env["WORLD_SIZE"])
     if launched and gpu_memory is None:
         gpu_memory = cuda_facts()[2]
+    if recipe.train.kernels != "none":  # the family from the shapes, the GPU from the machine
+        out += kernel_problems(recipe.train.kernels, getattr(arch, "model_type", None), cuda_facts()[0])
     if arch is not None:
         out += memory_problems(recipe, arch, gpus, gpu_memory, cpu_memory)
     # Unwritable output or too little disk for the checkpoints: found now, not at the first save hours in.

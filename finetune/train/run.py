@@ -85,6 +85,7 @@ class Run:
     epoch: int = 0
     cursor: int = 0
     step_stats: dict | None = None
+    host_s: float = 0.0  # host CPU time of the steps since the last logged one (train.step.optimizer_step)
     batches: batching.EpochBatches = field(init=False)
 
     def __post_init__(self):

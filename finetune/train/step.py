@@ -10,6 +10,7 @@ is still seen after every micro-batch. (fp16's loss scaler reads its overflow fl
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +48,7 @@ def optimizer_step(run: Run, stop=None) -> tuple[float, torch.Tensor | None, flo
     between micro-batches: the step is abandoned and the position rewound to its start, so the checkpoint
     written next is exactly the state after the previous step."""
     acc, t, device_type = run.acc, run.recipe.train, run.acc.device.type
+    host0 = time.thread_time()  # this thread's CPU time: Python, kernel launches, optimizer bookkeeping
     start = (run.epoch, run.cursor)
     # Gather this step's micro-batches first: the loss is normalised by the trained tokens of the
     # whole step on every rank, which must be known before the first backward.
@@ -81,6 +83,9 @@ def optimizer_step(run: Run, stop=None) -> tuple[float, torch.Tensor | None, flo
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
+    # Up to the step's one planned wait for the device (the read below): on a GPU, host time near the step's
+    # wall time means the device waits on the host. (A wait before it, if any, counts too: CUDA spins.)
+    run.host_s += time.thread_time() - host0
     loss, grad_norm, sums = read_step_values(acc, loss_total, grad_norm, stats)
     if norm is not None:
         run.step_stats = step_metrics(sums)

@@ -29,7 +29,7 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
     assert [n for n, r in res.items() if r["status"] == "ok"] == list(res), res
     assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16", "fsdp2_trace", "syncs",
-                        "moe", "adapters", "preference"}
+                        "moe", "adapters", "preference", "speed", "speed_unsloth"}
     single = res["single"]["result"]
     plan = json.loads((tmp_path / "work" / "single" / "memory.json").read_text())["plan"]
     assert plan["steps"] > 0 and plan["load"] > 0  # the planner beside the measured phases
@@ -56,13 +56,24 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     for method in ("dpo", "orpo"):
         pref = res["preference"]["result"][f"pref_{method}"]
         assert pref["losses_finite"] and 0 <= pref["eval"]["preference_accuracy"] <= 1, pref["eval"]
+    sp = res["speed"]["result"]  # our arms beside TRL: the ones this checkout and a CPU can run, run
+    today = sp["arms"]["today"]
+    assert today["status"] == "ok" and today["trained_tokens_per_s"] > 0 and today["gradients_ok"], today
+    assert today["host_s_per_step"] > 0 and today["attention"] == "sdpa" and len(today["losses"]) == 6, today
+    assert sp["arms"]["kernels"] == {"status": "skipped", "why": "GPU only: liger's Triton kernels need a CUDA GPU"}
+    auto = sp["arms"]["auto"]  # runs once the schema takes `auto`; until then, it says so
+    assert (auto["status"] == "ok" and auto["gradients_ok"]) or auto["why"].startswith("setting not available: "), auto
+    assert sp["arms"]["compile"]["why"].startswith("not compiled in the dry run")  # minutes of C++ on 2 cores
+    assert sp["arms"]["all"]["why"].endswith("(the rest is arm auto)")
+    assert sp["over_trl"]["today"]["tokens_per_s"] > 0 and sp["trl"]["grad_norms"]
+    assert res["speed_unsloth"]["result"]["why"].startswith("GPU only: unsloth")
     # What the commands printed holds no library warning a user cannot act on (FSDP1's NO_SHARD notice at
     # world size 1 was one: the recipe check says it in its own words).
     blocks = (tmp_path / "out" / "commands.log").read_text().split("\n$ ")
     ours = [b for b in blocks if " -m finetune " in b.split("\n", 1)[0]]  # not the TRL arm's or a probe's
     assert ours and not [b for b in ours if "UserWarning" in b or "FutureWarning" in b], ours
     md = (tmp_path / "out" / "RESULTS_GPU.md").read_text()
-    assert "### adapters_dora" in md and "### pref_dpo" in md
+    assert "### adapters_dora" in md and "### pref_dpo" in md and "| today | " in md
     assert "dry run" in md and "## fsdp2" in md and "packed-byte check" in md
 
 

@@ -74,3 +74,36 @@ def test_eval_writes_and_shows_predictions_and_generate_takes_instruction_rows_a
     assert out["prompt"][-1] == {"role": "user", "content": "reverse: c d"} and isinstance(out["output"], str)
     bad = run_cli(["generate", str(run), "--input", "x"])
     assert bad.returncode == 2 and "--input: give --instruction with it" in bad.stderr
+
+
+def test_each_logged_step_records_its_host_time_within_its_wall_time(trained_run):
+    # trained_run: 3 steps of the tiny recipe, logged at steps 1 and 3. The host time is the training thread's
+    # CPU time up to the step's read of its loss; it cannot exceed the step's wall time, and on CPU, where that
+    # thread computes, it is not nothing.
+    from finetune.train.keepers.summary import summary
+
+    records = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 3]
+    for r in steps:
+        assert 0 < r["host_s_per_step"] <= r["s_per_step"] * 1.01 + 1e-3, r
+    line = [ln for ln in summary(trained_run, {"step": 3}, 1.0) if ln.startswith("host time: ")]
+    assert re.fullmatch(r"host time: [\d.]+ ms of [\d.]+ ms a step on the training thread \(Python, launches, "
+                        r"optimizer bookkeeping\)", line[0]), line
+
+
+def test_host_time_is_per_step_since_the_last_log_and_restarts_there():
+    from types import SimpleNamespace
+
+    from finetune.train.loop import TokenRate
+
+    rate, run = TokenRate(), SimpleNamespace(host_s=0.0)
+    for host in (0.1, 0.2):  # two steps' host time, as optimizer_step adds it
+        run.host_s += host
+        rate.add(100)
+    got = rate.host_and_wall(run)
+    assert got["host_s_per_step"] == 0.15 and got["s_per_step"] >= 0 and run.host_s == 0.0
+    rate.reset()
+    run.host_s += 0.05
+    rate.add(100)
+    assert rate.host_and_wall(run)["host_s_per_step"] == 0.05  # the earlier steps' time is not counted again

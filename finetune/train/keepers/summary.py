@@ -40,6 +40,10 @@ def peak_memory(run_dir: Path) -> str | None:
     return f"peak memory: {peak / 2**30:.2f} GiB {what} per process (phase {phase}; RUN_DIR/memory.json has each phase)"
 
 
+def _num(*values) -> bool:
+    return all(isinstance(v, (int, float)) for v in values)
+
+
 def summary(run_dir: Path, result: dict, wall_s: float) -> list[str]:
     records = read_records(run_dir)
     losses = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
@@ -52,6 +56,11 @@ def summary(run_dir: Path, result: dict, wall_s: float) -> list[str]:
     if losses:
         (s0, l0), (s1, l1) = losses[0], losses[-1]
         lines.append(f"loss: {l0:.4g} at step {s0} -> {l1:.4g} at step {s1}")
+    host = [(r["host_s_per_step"], r["s_per_step"]) for r in records if _num(r.get("host_s_per_step"), r.get("s_per_step"))]
+    if host:  # on a GPU, host time near the wall time means the device waits on the host
+        h, w = (sum(x) / len(host) for x in zip(*host))
+        lines.append(f"host time: {1000 * h:.1f} ms of {1000 * w:.1f} ms a step on the training thread (Python, "
+                     "launches, optimizer bookkeeping)")
     evals = {k: v for r in records for k, v in r.items() if k.startswith("eval_")}
     if evals:
         lines.append("held out: " + ", ".join(f"{k} {v:.4g}" for k, v in evals.items())
