@@ -110,7 +110,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     with mem.phase("restore"):  # everything else a resume restores, in one call (keepers.resume)
         restored = resume.restore(s.acc, optim, a.total_steps, dpo_key(recipe, s.prepared.stats))
     with mem.phase("forward"):
-        offload = setup_forward(model, recipe.model.activation_offloading)  # lean modules, offloading
+        # lean modules, tiled MLPs, offloading
+        offload = setup_forward(model, recipe.model.activation_offloading, recipe.model.tiled_mlp)
     if recipe.train.method == "dpo":
         with mem.phase("reference"):  # the starting policy's log-probs of every pair, once (train.refpolicy)
             attach_reference(recipe, run_dir, s, model, restored.reference)
