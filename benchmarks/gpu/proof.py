@@ -46,6 +46,9 @@ STAGES = [
      100, 10, 240),
     ("adapters", "DoRA beside LoRA on the 4-layer 8B-width model, one process: tokens/s and memory vs plan", 60, 10, 240),
     ("preference", "DPO and ORPO through the loop on the builtin pairs, then eval's preference accuracy", 130, 15, 240),
+    # 2 steps of the full-depth 8B at ~0.5M and ~0.25M tokens: attention alone is minutes a step on a GPU
+    ("long_context", "the 8B at the planner's longest length (offloading + tiled MLP), card and 24 GiB: peak vs plan",
+     1500, 15, 2400),
 ]
 FILES = ("results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log")
 
