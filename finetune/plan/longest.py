@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from finetune.plan.activations import activation_terms
 from finetune.plan.estimate import Plan, Setup, build
 
 STEP = 1024  # tokens: the answer's granularity (a whole number of the loss path's and attention's blocks)
@@ -55,7 +56,12 @@ def limit(s: Setup, tokens: int, host_memory: int | None) -> str:
     words = []
     if "GPU" in why:
         term = max((k for k in over.breakdown if k != "framework_overhead"), key=over.breakdown.get)
-        words.append(f"GPU memory (largest term: {term}, {over.breakdown[term] / 2**30:.1f} GiB)")
+        part = ""
+        if term == "activations":  # which part of it: the held layer inputs or one layer's backward
+            act = activation_terms(over.arch, over.setup)
+            part = (f": layer inputs held {act['_held'] / 2**30:.1f} GiB, one layer's backward "
+                    f"{act['_per_layer'] / 2**30:.1f} GiB")
+        words.append(f"GPU memory (largest term: {term}, {over.breakdown[term] / 2**30:.1f} GiB{part})")
     if "host RAM" in why:
         words.append(f"host RAM ({max(over.cpu, key=over.cpu.get)}: {over.cpu_bytes_peak / 2**30:.1f} GiB)")
     return " and ".join(words)
