@@ -50,6 +50,9 @@ STAGES = [
     ("speed", "8B at 2 x 2048: today, checkpointing auto, compile, liger kernels, all; TRL beside: tokens/s, "
      "memory, curves, host time", 360, 20, 570),
     ("speed_unsloth", "unsloth on the same 8B rows in its own interpreter path, beside the speed arms", 150, 5, 400),
+    # 2 steps of the full-depth 8B at ~0.5M and ~0.25M tokens: attention alone is minutes a step on a GPU
+    ("long_context", "the 8B at the planner's longest length (offloading + tiled MLP), card and 24 GiB: peak vs plan",
+     1500, 15, 2400),
 ]
 FILES = ("results.json", "RESULTS_GPU.md", "log.txt", "env.json", "commands.log")
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import ROOT, child_env, last_json_line, read_jsonl
-from benchmarks.gpu import methods, speed
+from benchmarks.gpu import longctx, methods, speed
 from benchmarks.gpu.harness import (GIB, built, estimate, finetune, must, phase_peaks, plan_errors, plan_figures,
                                     python_m, read_env, recipe, sh, shapes, torchrun, train_and_read, write_recipe)
 
@@ -292,7 +292,7 @@ def stage_syncs(work: Path, sh_: dict) -> dict:
 STAGES = {"env": stage_env, "models": stage_models, "single": stage_single,
           "fsdp2": lambda w, s: stage_fsdp(w, s, 2), "fsdp1": lambda w, s: stage_fsdp(w, s, 1),
           "load70b": stage_load70b, "trl": stage_trl, "fp16": stage_fp16, "fsdp2_trace": stage_fsdp2_trace,
-          "syncs": stage_syncs, **methods.STAGES, **speed.STAGES}
+          "syncs": stage_syncs, **methods.STAGES, **speed.STAGES, **longctx.STAGES}
 
 
 def main(argv: list[str] | None = None) -> int:

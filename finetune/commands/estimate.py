@@ -23,6 +23,10 @@ def register(sub) -> None:
     p.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--device", choices=["cuda", "cpu"], help="plan a GPU (default) or a CPU run")
+    p.add_argument("--max-seq-len", action="store_true",
+                   help="the longest data.max_seq_len that fits --gpu-memory at micro-batch 1, with and without "
+                        "activation offloading and the tiled MLP, and what limits it")
+    p.add_argument("--host-memory", help="CPU RAM of one machine, e.g. 128GiB; --max-seq-len checks it too")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     p.add_argument("--update-headers", metavar="DIR_OR_FILE", help="rewrite the plan headers of recipes")
     p.set_defaults(run=run)
@@ -70,6 +74,8 @@ def run(a) -> int:
         return 0
     at_least_one(a, "gpus", "machines", "seq_len", "micro_batch", "lora_r")
     split_overrides(a, required=False)
+    if a.max_seq_len:
+        return _max_seq_len(a)
     try:
         p = build(setup_from_args(a))
     except ValueError as e:  # unknown model: where it looked and what it knows
@@ -77,4 +83,26 @@ def run(a) -> int:
     print(render(p))
     if a.json:
         print(json.dumps(p.to_json(), sort_keys=True))
+    return 0
+
+
+def _max_seq_len(a) -> int:
+    import json
+
+    from finetune.plan import longest
+    from finetune.util.errors import RecipeError
+    from finetune.util.units import parse_size
+
+    if not a.gpu_memory or a.device == "cpu":
+        raise RecipeError(["--max-seq-len: give the GPU's memory (--gpu-memory 80GiB): the longest length is "
+                           "the one that fits it"])
+    host = parse_size(a.host_memory, "--host-memory") if a.host_memory else None
+    try:
+        s = setup_from_args(a)
+        rows = longest.table(s, host)
+    except ValueError as e:
+        raise RecipeError([str(e)]) from None
+    print(longest.render(s, rows, host))
+    if a.json:
+        print(json.dumps({"max_seq_len": rows, "gpu_memory": s.gpu_memory, "host_memory": host}, sort_keys=True))
     return 0

@@ -87,6 +87,41 @@ def dora_workspace_bytes(arch: Arch, s) -> int:
                default=0)
 
 
+MLP_LINEARS = {"gate_proj", "up_proj", "down_proj"}  # the gated MLP model.tiled_mlp runs in chunks
+
+
+def tile_tokens(arch: Arch, s) -> int:
+    """model.tiled_mlp as tokens per chunk (0: off); true is hidden_size tokens (finetune.train.tiled)."""
+    tiled = getattr(s, "tiled_mlp", False)
+    if tiled is False or arch.experts or not arch.gated_mlp():
+        return 0
+    return arch.hidden if tiled is True else int(tiled)
+
+
+def tiled(arch: Arch, s, t: int) -> bool:
+    """Whether a forward of `t` tokens runs its MLPs in chunks (one chunk's worth runs them whole)."""
+    return 0 < tile_tokens(arch, s) < t
+
+
+def mlp_saved_bytes(arch: Arch, s, t: int) -> int:
+    """What a gated MLP's adapters and intermediates keep for `t` tokens (no MoE): the LoRA inputs of gate,
+    up and down (gate's and up's one tensor where they share it, see shared_lora_inputs), the activation's
+    input and output and up's output (the lean MLP recomputes the activation's output)."""
+    cb = MP_BYTES[s.mixed_precision]
+    names = {x.name for x in targeted(arch, s.lora_targets)} & MLP_LINEARS
+    total = sum(lora_linear_saved(t, x.d_in, x.d_out, s.lora_r, s) for x in arch.linears() if x.name in names)
+    if s.device == "cuda" and s.lora_dropout == 0 and DTYPE_BYTES[s.model_dtype] == cb:
+        total -= max(0, len(names & {"gate_proj", "up_proj"}) - 1) * t * arch.hidden * cb
+    return total + t * arch.intermediate * mlp_bytes(arch, s) * (2 if lean(arch, s) else 3)
+
+
+def mlp_chunk_bytes(arch: Arch, s) -> int:
+    """The tiled MLP's working set in backward: one chunk's adapters and intermediates, recomputed, for one
+    layer at a time (0 when model.tiled_mlp is off or the sequence is one chunk)."""
+    t = s.micro_batch * s.seq_len
+    return mlp_saved_bytes(arch, s, min(t, tile_tokens(arch, s))) if tiled(arch, s, t) else 0
+
+
 def shared_lora_inputs(arch: Arch, s, t: int, names: set) -> int:
     """Adapter inputs counted above that are one tensor in fact. On CUDA, without dropout and with the
     residual stream already in the compute dtype, every adapter's A keeps the very tensor its layer's
@@ -152,6 +187,11 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
     if arch.model_type in QK_RMSNORM:  # per-head RMSNorm on q and k: their fp32 input and rsqrt
         total += t * (q + kv) * 4 + t * (arch.heads + arch.kv_heads) * 4
     names = {x.name for x in targeted(arch, s.lora_targets)}
+    if tiled(arch, s, t):
+        # finetune.train.tiled keeps only the MLP's input (the second norm's output) for the whole layer;
+        # one chunk's adapters and intermediates are mlp_chunk_bytes, added once (activation_terms)
+        names -= MLP_LINEARS
+        total += t * h * residual_bytes(arch, s)
     for x in arch.linears():
         if x.name in names:
             n_tok = t * arch.experts_per_tok // x.count if x.count > 1 else t  # routed tokens per expert
@@ -171,7 +211,8 @@ def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
     # act input, act output and up (gated); lean MLPs recompute the act output. 4-bit experts' matmuls
     # come out of autocast in the compute dtype (no peft Linear promotes them).
     per = MP_BYTES[s.mixed_precision] if arch.experts and s.quant in ("nf4", "fp4") else mlp_bytes(arch, s)
-    total += inter * i * per * ((2 if lean(arch, s) else 3) if arch.gated_mlp() else 1)
+    if not tiled(arch, s, t):
+        total += inter * i * per * ((2 if lean(arch, s) else 3) if arch.gated_mlp() else 1)
     if arch.experts:
         total += t * arch.experts * 4 * 2  # router logits and softmax
     return total
@@ -237,7 +278,7 @@ def activation_terms(arch: Arch, s) -> dict[str, int]:
     `logits_loss`: what the loss phase needs beyond that (0 when the recomputed layer is the larger);
     their sum is the activation part of the peak. `_offloaded`: bytes moved to pinned CPU memory."""
     b, L = s.micro_batch, s.seq_len
-    per_layer = layer_saved_bytes(arch, s, b, L)
+    per_layer = layer_saved_bytes(arch, s, b, L) + mlp_chunk_bytes(arch, s)  # one layer's chunk at a time
     rope = 2 * L * arch.head_dim * 4  # cos/sin tables, shared by all layers
     head = head_saved_bytes(arch, s, b, L)
     loss = head + loss_working_bytes(arch, s, b * L)
@@ -250,7 +291,8 @@ def activation_terms(arch: Arch, s) -> dict[str, int]:
         extra = max(0, loss - per_layer)  # the loss phase: held inputs + head, no recomputed layer
     else:
         held = 0
-        layers = arch.layers * per_layer + rope - first_layer_discount(arch, s, b * L)
+        layers = (arch.layers * per_layer - (arch.layers - 1) * mlp_chunk_bytes(arch, s) + rope
+                  - first_layer_discount(arch, s, b * L))
         extra = loss  # every layer's saved tensors are still there when the loss runs
     return {"activations": layers, "logits_loss": extra, "_held": held + rope, "_per_layer": per_layer,
             "_head_saved": head, "_offloaded": offloaded}

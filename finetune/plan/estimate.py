@@ -61,6 +61,7 @@ class Setup:
     offload: bool = False
     checkpointing: bool = True
     activation_offload: bool = False  # checkpointed layer inputs in pinned CPU memory (GPU only)
+    tiled_mlp: object = False  # model.tiled_mlp: false, true (chunks of hidden_size tokens) or N tokens a chunk
     # the loss path (plan.logits): "chunked" (train.loss), "full" (cross_entropy on all logits at once) or
     # "transformers" (the model's own labels= loss, as the Trainer and TRL ran it)
     loss: str = "chunked"
@@ -100,7 +101,7 @@ def from_recipe(recipe) -> Setup:
                  offload=f.cpu_offload and d.strategy == "fsdp",
                  checkpointing=m.gradient_checkpointing,
                  activation_offload=m.activation_offloading, loss_chunk_tokens=t.loss_chunk_tokens,
-                 attn=m.attn_implementation)
+                 attn=m.attn_implementation, tiled_mlp=m.tiled_mlp)
 
 
 # ---------------------------------------------------------------------------------------------------

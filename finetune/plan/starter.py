@@ -102,11 +102,26 @@ def size(data: DataFacts, model: ModelFacts, device: str, gpus: int, gpu_memory:
     elif chosen[0].offload:
         notes.append("fsdp.cpu_offload: the model does not fit these GPUs otherwise; steps run slower")
     s, plan = chosen
+    if device == "cuda" and data.longest > n:
+        notes.append(longer_rows(data, model, setup, n))
     rows = max(1, round(data.rows * (1 - held_out(data.rows))))
     accumulation = max(1, min(TARGET_BATCH // (s.micro_batch * gpus), math.ceil(rows / (s.micro_batch * gpus * 8))))
     epochs = 3.0 if data.rows < 1000 else 2.0 if data.rows < 10000 else 1.0
     return Sizing(device, gpus, s.gpu_memory, n, s.micro_batch, accumulation, s.strategy, s.offload,
                   held_out(data.rows), epochs, plan.gpu_bytes_per_device, notes)
+
+
+def longer_rows(data: DataFacts, model: ModelFacts, setup: E.Setup, n: int) -> str:
+    """For data whose longest rows pass data.max_seq_len: the longest length these GPUs fit at micro-batch 1
+    (finetune.plan.longest, as `estimate --max-seq-len` answers), as written and with both long-context knobs."""
+    from finetune.plan.longest import longest
+
+    cap = model.max_positions or 10**9
+    plain = min(cap, longest(setup))
+    both = min(cap, longest(replace(setup, activation_offload=True, tiled_mlp=True)))
+    return (f"your longest example has {data.longest} tokens and data.max_seq_len is {n} (99% of the rows): at "
+            f"micro-batch 1 these GPUs fit data.max_seq_len up to {plain}, or {both} with "
+            "model.activation_offloading: true and model.tiled_mlp: true (`finetune estimate RECIPE --max-seq-len`)")
 
 
 def recipe_text(data: DataFacts, model: ModelFacts, z: Sizing, out_dir: str) -> str:

@@ -57,6 +57,15 @@ class ModelSpec(_Section):
     CPU memory during the forward pass and copy them back on a side stream ahead of the backward pass
     that needs them. Saves about layers x tokens x hidden x 2 bytes of GPU memory for PCIe traffic;
     `validate` refuses it on a machine without CUDA, where there is no device memory to save."""
+    tiled_mlp: Union[bool, int] = False
+    """Run each decoder layer's gated MLP over the sequence in chunks of tokens, in the forward pass and in
+    its backward (each chunk recomputed there, its gradients summed; LoRA inside the MLP included): the
+    [tokens x intermediate] activations then exist for one chunk at a time, which is most of a long
+    sequence's activation memory (3 x 14336 values per token for Llama 3 8B). Gradients are the untiled
+    ones to rounding. true: chunks of `hidden_size` tokens (a chunk's intermediates are then the size of one
+    MLP weight matrix, which the 4-bit matmul dequantizes anyway; ALST/DeepSpeed's rule); N: chunks of N
+    tokens. Costs one more MLP forward per step (the chunk's recomputation). Gated Llama-form MLPs only;
+    MoE blocks are refused by name. See docs/long_context.md."""
     reentrant_checkpointing: bool = False
     """Use the reentrant checkpoint implementation. Off by default because the non-reentrant one works
     when the checkpointed inputs do not require grad (frozen 4-bit base + LoRA) without the
@@ -65,6 +74,13 @@ class ModelSpec(_Section):
     """Allow a model repository to run its own Python code. Off: only architectures transformers ships."""
     allow_pickle: bool = False
     """Allow loading `.bin`/`.pt` (pickle) weights. Off: safetensors only, as pickle can execute code."""
+
+    @field_validator("tiled_mlp")
+    @classmethod
+    def _chunk_tokens(cls, v):
+        if not isinstance(v, bool) and v < 1:
+            raise ValueError("a chunk length in tokens (>= 1), true (chunks of hidden_size tokens) or false")
+        return v
 
 
 class QuantizationSpec(_Section):

@@ -13,7 +13,7 @@ The phases of `_train`, in order, each returning what it makes (finetune.train.r
     fill_shards(model, plan)                    -> this rank's shards of the base, filled
     resume.restore(acc, optim, total_steps, key) -> Restored(step, epoch, cursor, tracker_ids, reference):
                                                    optimizer, schedule, RNG, scaler loaded in place
-    setup_forward(model, offloading)            -> the activation-offloading context (None: off)
+    setup_forward(model, offloading, tiled_mlp) -> the activation-offloading context (None: off); lean and tiled MLPs in
     attach_reference(recipe, run_dir, setup, model, restored.reference) -> DPO's `ref` on every pair
     announce(recipe, run_dir, setup, model, total_steps) -> rank 0: RUN_DIR/recipe.yaml, what trains on what
     prepare_steps(recipe, run_dir, setup, total_steps, restored) -> (held-out batches, Metrics with trackers)
@@ -112,7 +112,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         restored = resume.restore(s.acc, optim, a.total_steps, dpo_key(recipe, s.prepared.stats))
     with mem.phase("forward"):
         apply_kernels(unwrapped(model), recipe.train.kernels)  # first: lean.apply leaves the patched modules be
-        offload = setup_forward(model, recipe.model.activation_offloading)  # lean modules, offloading
+        # lean modules, tiled MLPs, offloading
+        offload = setup_forward(model, recipe.model.activation_offloading, recipe.model.tiled_mlp)
     if recipe.train.method == "dpo":
         with mem.phase("reference"):  # the starting policy's log-probs of every pair, once (train.refpolicy)
             attach_reference(recipe, run_dir, s, model, restored.reference)

@@ -14,7 +14,7 @@ from accelerate.utils import extract_model_from_parallel
 from finetune.data import encode
 from finetune.plan.attention import uses_cpu_math_kernel
 from finetune.plan.logits import chunk_rows
-from finetune.train import lean
+from finetune.train import lean, tiled
 from finetune.train.offload import setup_offload
 from finetune.data.transfer import to_device
 from finetune.train.precision import autocast
@@ -25,11 +25,15 @@ from finetune.train.precision import autocast
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def setup_forward(model, activation_offloading: bool):
-    """Once, at setup, on the wrapped model: the memory-lean norms and MLPs go in (lean.apply), and the
-    activation-offloading context is made (offload.setup_offload; None when off or without CUDA), to be
-    handed to every `token_loss_sum`. The loss itself changes no module."""
-    lean.apply(unwrapped(model))
+def setup_forward(model, activation_offloading: bool, tiled_mlp=False):
+    """Once, at setup, on the wrapped model: the memory-lean norms and MLPs go in (lean.apply), then the
+    tiled MLPs of `model.tiled_mlp` around them (tiled.apply), and the activation-offloading context is made
+    (offload.setup_offload; None when off or without CUDA), to be handed to every `token_loss_sum`. The
+    loss itself changes no module."""
+    base = unwrapped(model)
+    lean.apply(base)
+    cfg = getattr(base, "config", None)
+    tiled.apply(base, tiled_mlp, getattr(getattr(cfg, "text_config", None) or cfg, "hidden_size", 0))
     return setup_offload(model, activation_offloading)
 
 

@@ -26,45 +26,59 @@ class _Packed:
 
 
 class ActivationOffload:
-    """saved_tensors_hooks that offload to pinned memory and prefetch one tensor ahead in backward."""
+    """saved_tensors_hooks that offload to pinned memory and prefetch one tensor ahead in backward.
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.d2h = torch.cuda.Stream(device)
-        self.h2d = torch.cuda.Stream(device)
+    On a CPU device (the test harness: tests/integration/test_offload_cpu.py) the same hooks, order and
+    prefetch run, with plain synchronous copies into other host tensors: CUDA streams and pinned memory do
+    not exist there, so the stream waits, `record_stream` and pinning are CUDA's alone."""
+
+    def __init__(self, device: torch.device, min_bytes: int = MIN_BYTES):
+        self.device, self.min_bytes = device, min_bytes
+        cuda = device.type == "cuda"
+        self.d2h = torch.cuda.Stream(device) if cuda else None
+        self.h2d = torch.cuda.Stream(device) if cuda else None
         self.order: list = []  # packed tensors of the current forward, in the order they were saved
+        self.prefetched = 0  # tensors brought back ahead of the backward that needed them (all forwards)
 
     def _pack(self, t: torch.Tensor):
-        if (t.device.type != "cuda" or isinstance(t, torch.nn.Parameter) or not t.is_floating_point()
-                or t.numel() * t.element_size() < MIN_BYTES):
+        if (t.device.type != self.device.type or isinstance(t, torch.nn.Parameter) or not t.is_floating_point()
+                or t.numel() * t.element_size() < self.min_bytes):
             return t
-        main = torch.cuda.current_stream(t.device)
-        cpu = torch.empty_like(t, device="cpu", pin_memory=True)
-        self.d2h.wait_stream(main)  # t is complete
-        with torch.cuda.stream(self.d2h):
-            cpu.copy_(t, non_blocking=True)
-        t.record_stream(self.d2h)  # the allocator keeps t's memory until the copy is done
+        cpu = torch.empty_like(t, device="cpu", pin_memory=self.d2h is not None)
+        if self.d2h is None:
+            cpu.copy_(t)
+        else:
+            self.d2h.wait_stream(torch.cuda.current_stream(t.device))  # t is complete
+            with torch.cuda.stream(self.d2h):
+                cpu.copy_(t, non_blocking=True)
+            t.record_stream(self.d2h)  # the allocator keeps t's memory until the copy is done
         p = _Packed(cpu, t.device)
         self.order.append(p)
         return p
 
     def _fetch(self, p: _Packed):
-        if p.gpu is None:
-            self.h2d.wait_stream(self.d2h)  # its copy out has finished
-            with torch.cuda.stream(self.h2d):
-                p.gpu = p.cpu.to(p.device, non_blocking=True)
+        if p.gpu is not None:
+            return
+        if self.h2d is None:
+            p.gpu = p.cpu.clone()  # CPU: a copy of its own, as the GPU's is
+            return
+        self.h2d.wait_stream(self.d2h)  # its copy out has finished
+        with torch.cuda.stream(self.h2d):
+            p.gpu = p.cpu.to(p.device, non_blocking=True)
 
     def _unpack(self, p):
         if not isinstance(p, _Packed):
             return p
         self._fetch(p)
-        main = torch.cuda.current_stream(p.device)
-        main.wait_stream(self.h2d)
         t, p.gpu = p.gpu, None
-        t.record_stream(main)  # allocated on h2d, used on the main stream from here on
+        if self.h2d is not None:
+            main = torch.cuda.current_stream(p.device)
+            main.wait_stream(self.h2d)
+            t.record_stream(main)  # allocated on h2d, used on the main stream from here on
         i = next((k for k, q in enumerate(self.order) if q is p), None)
         if i:  # backward runs layers in reverse: bring the previous layer's input in now
             self._fetch(self.order[i - 1])
+            self.prefetched += 1
         return t
 
     @contextlib.contextmanager

@@ -29,7 +29,8 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
     assert [n for n, r in res.items() if r["status"] == "ok"] == list(res), res
     assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16", "fsdp2_trace", "syncs",
-                        "moe", "adapters", "preference", "speed", "speed_unsloth"}
+                        "moe", "adapters", "preference", "speed", "speed_unsloth",
+                        "long_context"}
     single = res["single"]["result"]
     plan = json.loads((tmp_path / "work" / "single" / "memory.json").read_text())["plan"]
     assert plan["steps"] > 0 and plan["load"] > 0  # the planner beside the measured phases
@@ -69,6 +70,10 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     assert res["speed_unsloth"]["result"]["why"].startswith("GPU only: unsloth")
     # What the commands printed holds no library warning a user cannot act on (FSDP1's NO_SHARD notice at
     # world size 1 was one: the recipe check says it in its own words).
+    lc = res["long_context"]["result"]  # the tiny stand-in trains with the tiled MLP; the 8B's lengths planned
+    assert lc["dry"]["ok"] and lc["dry"]["losses_finite"] and lc["dry"]["seq"] == 256, lc["dry"]
+    assert lc["planned_8b"]["80gib"]["max_seq_len"] > lc["planned_8b"]["24gib"]["max_seq_len"] > 0
+    assert lc["planned_8b"]["24gib"]["limit"].startswith("GPU memory")
     blocks = (tmp_path / "out" / "commands.log").read_text().split("\n$ ")
     ours = [b for b in blocks if " -m finetune " in b.split("\n", 1)[0]]  # not the TRL arm's or a probe's
     assert ours and not [b for b in ours if "UserWarning" in b or "FutureWarning" in b], ours

@@ -185,6 +185,30 @@ def test_lean_norms_and_mlps_give_the_stock_loss_and_gradients(tiny_model_dir):
     assert lean_saved < saved
 
 
+def test_tiled_mlp_on_the_4bit_tiny_model_gives_the_untiled_loss_and_lora_gradients(setup):
+    # model.tiled_mlp (finetune.train.tiled): the MLPs over the tokens in chunks, recomputed per chunk in
+    # backward; fp32 dequantization, no autocast: both computations agree to fp32 rounding
+    from tests.integration.test_tiled_mlp import assert_same, loss_and_grads
+
+    from finetune.train import tiled
+
+    model, batch = setup
+    ids = batch["input_ids"]
+    untiled = loss_and_grads(model, ids)
+    # chunks of 32 tokens, the last one short. (Chunks of a row count that is not a multiple of 16 change
+    # the CPU matmul's blocking and so its rounding, which this model amplifies to ~1e-4 in its adapter
+    # gradients, measured; hidden_size, the default chunk, is a multiple of 16 in real models.)
+    assert ids.numel() % 32 and ids.numel() > 64
+    try:
+        assert tiled.apply(model, 32, hidden=model.config.hidden_size) == 4
+        assert_same(untiled, loss_and_grads(model, ids), n_grads=4 * 7 * 2)
+        assert tiled.apply(model, 32, hidden=0) == 4  # already tiled: left as it is, not tiled twice
+    finally:  # the module's other tests use this model untiled
+        for m in model.modules():
+            if vars(m).pop("_finetune_tiled", False):
+                del m.forward
+
+
 def test_the_loss_changes_no_module_setup_puts_the_lean_modules_in(tiny_model_dir):
     """The loss only computes; what changes modules (the memory-lean norms and MLPs) happens once, at setup,
     where _train shows it (loss.setup_forward)."""
