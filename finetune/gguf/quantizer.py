@@ -44,8 +44,8 @@ def env_problem() -> str | None:
     if not env or (Path(env).is_file() and os.access(env, os.X_OK)):
         return None
     what = "is not executable" if Path(env).is_file() else "is a directory" if Path(env).is_dir() else "does not exist"
-    return (f"FINETUNE_LLAMA_QUANTIZE={env!r} {what}; point it at llama.cpp's llama-quantize binary, or unset it "
-            "to use the one built here or on PATH")
+    return (f"but FINETUNE_LLAMA_QUANTIZE={env!r} {what} (point it at llama.cpp's llama-quantize binary, or unset "
+            "it to use the one built here or on PATH)")
 
 
 def output_problem(binary: str, out: Path) -> str | None:
@@ -71,10 +71,8 @@ def command(binary: str, src: Path, out: Path, outtype: str) -> list[str]:
 def missing_advice(src: Path, out: Path, outtype: str) -> str:
     """What to run when no llama-quantize is found: build it (or install llama.cpp), then quantize."""
     quoted = " ".join(command("llama-quantize", src, out, outtype))
-    env = env_problem()
-    if env:
-        return f"{KQUANTS[outtype]} needs llama.cpp's llama-quantize: {env}. Or run: {quoted}"
-    return (f"{KQUANTS[outtype]} needs llama.cpp's llama-quantize, which is not installed. Build it once from the "
+    why = env_problem() or "which is not installed"  # the variable named when it points nowhere
+    return (f"{KQUANTS[outtype]} needs llama.cpp's llama-quantize, {why}. Build it once from the "
             f"pinned llama.cpp sources ({BUILD_COMMAND}: cmake and a C++ compiler, about 25 minutes on 2 cores) "
             f"and re-run this export, or with llama.cpp's tools on PATH run: {quoted}")
 

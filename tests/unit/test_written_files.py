@@ -122,3 +122,28 @@ def test_a_bad_quantizer_variable_is_named_and_its_output_judged(tmp_path, monke
     assert "11 bytes that are not a GGUF file" in quantizer.output_problem("llama-quantize", out)
     out.write_bytes(b"GGUF\3\0\0\0")
     assert quantizer.output_problem("llama-quantize", out) is None  # a GGUF's start: the read-back judges the rest
+
+
+@pytest.mark.parametrize("writes", ["", "printf 'not a gguf' > \"$2\"", "printf 'GGUF\\003junk' > \"$2\""])
+def test_a_quantizer_that_exits_0_without_a_gguf_is_a_run_error_naming_it(tmp_path, writes):
+    # The binary really runs (a wrapper or another tool at FINETUNE_LLAMA_QUANTIZE); what it wrote is judged as
+    # `finetune export --outtype q4_k_m` judges it after the checked f16 (a RunError: exit 3, no traceback).
+    from finetune.gguf import quantizer
+    from finetune.gguf.write import _quantized_tensors
+    from finetune.util.builtin import builtin_dir
+    from finetune.util.errors import RunError
+
+    _converter()
+    fake = tmp_path / "fake-quantize"
+    fake.write_text(f"#!/bin/sh\n{writes}\nexit 0\n")
+    fake.chmod(0o755)
+    src, tmp, out = tmp_path / "model-f16.gguf", tmp_path / ".m.gguf.tmp-1", tmp_path / "m.gguf"
+    tmp.write_bytes(b"")  # export's locked temporary exists before the binary runs
+    assert quantizer.quantize(str(fake), src, tmp, "q4_k_m").returncode == 0
+    f16 = {"source": str(builtin_dir("builtin:tiny-llama")), "tensors": {"tensors": 39}}
+    with pytest.raises(RunError) as e:
+        _quantized_tensors(str(fake), src, tmp, out, f16)
+    said = str(e.value)
+    assert f"{fake} exited 0 but wrote " in said and f"Nothing was written to {out}" in said
+    assert ("an empty file" if not writes else "not a GGUF file" if "not a" in writes
+            else "gguf-py cannot read as GGUF") in said
