@@ -99,3 +99,19 @@ def test_packing_is_refused_for_preference_methods():
 
     with pytest.raises(ValueError, match="data.packing"):
         Recipe.model_validate({"train": {"method": "dpo"}, "data": {"packing": True}})
+
+
+def test_pairs_whose_chosen_equals_rejected_are_counted_warned_and_dropped(tmp_path, tok):
+    from finetune.data.explain import data_notes
+
+    rows = [{"prompt": f"q{i}\n", "chosen": "yes", "rejected": "yes" if i % 3 == 0 else "no"} for i in range(9)]
+    rows.append({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                 "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = DataSpec(sources=[DataSource(path=str(path))], eval_split=0)
+    prepared = P.prepare(spec, tok)
+    assert prepared.stats["identical_pairs"] == 4 and len(prepared.train) == 6  # rows 0, 3, 6 and the chat
+    assert all(e["input_ids"] != e["rejected_ids"] for e in prepared.train)
+    _, warns = data_notes(spec, prepared.stats)  # what `finetune data` and `train` print
+    assert any("4 preference pairs dropped: chosen equals rejected" in w for w in warns), warns
