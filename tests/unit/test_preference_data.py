@@ -115,3 +115,17 @@ def test_pairs_whose_chosen_equals_rejected_are_counted_warned_and_dropped(tmp_p
     assert all(e["input_ids"] != e["rejected_ids"] for e in prepared.train)
     _, warns = data_notes(spec, prepared.stats)  # what `finetune data` and `train` print
     assert any("4 preference pairs dropped: chosen equals rejected" in w for w in warns), warns
+
+
+def test_a_damaged_reference_file_is_not_used_by_a_fresh_run(tmp_path):
+    # A fresh DPO run (no checkpoint) recomputes what it cannot read; it used to die in a JSONDecodeError.
+    from finetune.train import refpolicy
+
+    path = tmp_path / refpolicy.FILE
+    path.parent.mkdir()
+    good = {"key": "k", "train": [[-1.0, -2.0]], "eval": []}
+    path.write_text(json.dumps(good))
+    assert refpolicy.read_stored(tmp_path, "k") == good
+    for damaged in (json.dumps(good)[:20], '{"key": "k", "train": [[1.0]], "eval": []}', "\udcff"):
+        path.write_bytes(damaged.encode(errors="surrogateescape"))
+        assert refpolicy.read_stored(tmp_path, "k") is None
