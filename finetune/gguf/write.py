@@ -69,22 +69,29 @@ def _weights(directory: Path) -> dict:
 def _convert(run_dir: Path, outtype: str, adapter_only: bool, merged: str | None, tmp: Path):
     """Run the converter into `tmp`; returns (sources for the check, config.json dict, what was converted)."""
     if adapter_only:
+        import tempfile
+
+        from finetune.gguf.adapter_scale import portable
         from finetune.merge.source import resolve_source
 
         src = resolve_source(run_dir)
         _refuse_expert_adapters(src.adapter_dir)
-        args = [str(src.adapter_dir), "--base", str(src.base_dir), "--outfile", str(tmp), "--outtype", outtype]
-        proc = converter.run_converter("convert_lora_to_gguf.py", args, PRE_TOKENIZERS)
-        if proc.returncode != 0:
-            raise _converter_failed(proc, "convert_lora_to_gguf.py")
+        with tempfile.TemporaryDirectory(prefix="finetune-export-") as scratch:
+            # rsLoRA and patterns: written so llama.cpp's alpha / rank gives peft's scale (gguf/adapter_scale.py)
+            adapter_dir, scales = portable(src.adapter_dir, Path(scratch) / "adapter")
+            args = [str(adapter_dir), "--base", str(src.base_dir), "--outfile", str(tmp), "--outtype", outtype]
+            proc = converter.run_converter("convert_lora_to_gguf.py", args, PRE_TOKENIZERS)
+            if proc.returncode != 0:
+                raise _converter_failed(proc, "convert_lora_to_gguf.py")
+            sources = _weights(adapter_dir)
         config = json.loads((src.base_dir / "config.json").read_text())
-        return _weights(src.adapter_dir), config, src.adapter_dir
+        return sources, config, src.adapter_dir, scales
     model_dir = _merged_dir(run_dir, merged)
     args = [str(model_dir), "--outfile", str(tmp), "--outtype", outtype]
     proc = converter.run_converter("convert_hf_to_gguf.py", args, PRE_TOKENIZERS)
     if proc.returncode != 0:
         raise _converter_failed(proc, "convert_hf_to_gguf.py")
-    return _weights(model_dir), json.loads((model_dir / "config.json").read_text()), model_dir
+    return _weights(model_dir), json.loads((model_dir / "config.json").read_text()), model_dir, None
 
 
 def _refuse_expert_adapters(adapter_dir: Path) -> None:
@@ -201,11 +208,16 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
     refuse_foreign_output(out, force)
     clean_stale(out, "export")  # the hidden full-size temporary of an export killed mid-write
     with temp_file(out) as tmp:
-        sources, config, converted = _convert(run_dir, outtype, adapter_only, merged, tmp)
+        sources, config, converted, scales = _convert(run_dir, outtype, adapter_only, merged, tmp)
         tensors = check_tensors(conv, tmp, sources, config, lora=adapter_only)
         report = {"format": "gguf", "outtype": outtype, "adapter_only": adapter_only, "source": str(converted),
                   "converter": f"llama.cpp convert_{'lora' if adapter_only else 'hf'}_to_gguf.py from "
                                f"llama-cpp-python=={converter.PIN}", "tensors": tensors}
+        if scales is not None:  # the scale llama.cpp applies, module by module, against peft's
+            from finetune.gguf.adapter_scale import check_scales
+            from finetune.gguf.readback import gguf_module
+
+            report["scaling"] = check_scales(gguf_module(conv), tmp, scales)
         if tensors["mismatched"]:
             raise RuntimeError(f"export: {len(tensors['mismatched'])} GGUF tensor(s) differ from their source, "
                                f"e.g. {tensors['mismatched'][0]}; nothing was written to {out}")
