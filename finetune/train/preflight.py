@@ -302,7 +302,7 @@ def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = 
     out += found
     out += code_problems(recipe)
     out += init_adapter_problems(recipe)
-    out += tracker_problems(recipe.output.report_to)
+    out += tracker_problems(recipe.output.report_to, env)
     out += environment_problems(recipe, env, launched)
     if launched and gpus is None and env.get("WORLD_SIZE"):
         gpus = int(env["WORLD_SIZE"])
