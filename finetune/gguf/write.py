@@ -67,7 +67,8 @@ def _weights(directory: Path) -> dict:
 
 
 def _convert(run_dir: Path, outtype: str, adapter_only: bool, merged: str | None, tmp: Path):
-    """Run the converter into `tmp`; returns (sources for the check, config.json dict, what was converted)."""
+    """Run the converter into `tmp`; returns (sources for the check, config.json dict, what was converted, the
+    adapter's scales for `adapter_scale.check_scales`: None for the merged model)."""
     if adapter_only:
         import tempfile
 

@@ -147,3 +147,13 @@ def test_a_quantizer_that_exits_0_without_a_gguf_is_a_run_error_naming_it(tmp_pa
     assert f"{fake} exited 0 but wrote " in said and f"Nothing was written to {out}" in said
     assert ("an empty file" if not writes else "not a GGUF file" if "not a" in writes
             else "gguf-py cannot read as GGUF") in said
+
+
+def test_accelerate_config_keeps_a_line_break_of_its_command_line_inside_the_header(tmp_path, capsys):
+    import yaml
+
+    out = tmp_path / "launch.yaml"
+    assert cli.main(["accelerate-config", "recipes/tiny_cpu.yaml", f"output.dir={tmp_path}/x\ninjected_key: 7",
+                     "-o", str(out)]) == 0
+    cfg = yaml.safe_load(out.read_text())  # the line break used to end the comment and add the key
+    assert "injected_key" not in cfg and "\\ninjected_key: 7" in out.read_text()  # escaped in the comment
