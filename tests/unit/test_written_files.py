@@ -157,3 +157,15 @@ def test_accelerate_config_keeps_a_line_break_of_its_command_line_inside_the_hea
                      "-o", str(out)]) == 0
     cfg = yaml.safe_load(out.read_text())  # the line break used to end the comment and add the key
     assert "injected_key" not in cfg and "\\ninjected_key: 7" in out.read_text()  # escaped in the comment
+
+
+def test_the_model_card_front_matter_holds_a_base_name_as_one_value():
+    from types import SimpleNamespace
+
+    import yaml
+
+    from finetune.merge.card import _front_matter
+
+    lines = _front_matter(SimpleNamespace(base_name="org/model\nlicense: mit"))
+    meta = yaml.safe_load("\n".join(lines[1:lines.index("---", 1)]))
+    assert meta["base_model"] == "org/model\nlicense: mit" and "license" not in meta
