@@ -27,7 +27,10 @@ def run(a) -> int:
 
     at_least_one(a, "gpus", "machines")
     r = load_recipe(a)
-    shown = " ".join([a.recipe] + a.overrides)
+    from finetune.plan.starter import comment
+
+    # escaped: a line break in a path or an override would otherwise end the header comment and add config keys
+    shown = comment(" ".join([a.recipe] + a.overrides))
     # The command line is copied into the file's header: a secret pasted into an override stays out of it.
     text = redact(render_config(r, accelerate_config(r, a.gpus, a.machines, cpu=a.cpu), shown))
     if a.output:

@@ -28,6 +28,10 @@ def run(args) -> int:
     from finetune.train.runcheck import checked_run
 
     checked_run(args.run_dir)  # a damaged or unsafe run dir too
+    from finetune.recipe.rundir import planted_links
+
+    if links := planted_links(args.run_dir):  # predictions.jsonl and its temporary: before any scoring
+        raise RecipeError(links)
     from finetune.train.inference import run_eval  # torch only after the arguments and the run dir passed
 
     res = run_eval(args.run_dir, args.max_rows)

@@ -18,6 +18,8 @@ def register(sub) -> None:
     p.add_argument("--adapter-only", action="store_true",
                    help="convert only the LoRA adapter (llama.cpp --lora over a GGUF of the base)")
     p.add_argument("--output", help="GGUF file to write (default RUN_DIR/gguf/{model,adapter}-OUTTYPE.gguf)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing GGUF at --output that this export did not write (e.g. a downloaded one)")
     p.add_argument("--merged", help="a merged model directory to convert instead of RUN_DIR/merged")
     p.add_argument("--greedy-prompts", type=int, default=200,
                    help="held-out prompts for the llama.cpp vs transformers greedy check (0: skip)")
@@ -32,7 +34,7 @@ def run(args) -> int:
 
     try:
         res = export_gguf(args.run_dir, args.outtype, args.adapter_only, args.output, args.merged,
-                          args.greedy_prompts)
+                          args.greedy_prompts, args.force)
     except RuntimeError as e:  # a failed check or converter: nothing was written
         print(f"error: {e}", file=sys.stderr)
         return 1

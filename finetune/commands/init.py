@@ -5,7 +5,10 @@ chat template, sizes micro-batch, accumulation, max_seq_len and FSDP with the me
 share of your own rows for eval, and writes a commented recipe that it then validates."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import yaml
 
 from finetune.commands.common import GPUS_MAX, count
 from finetune.util.errors import RecipeError
@@ -69,32 +72,68 @@ def data_facts(path: str, tok, model) -> object:
     return facts, stats
 
 
+def refuse_output(out: Path, force: bool) -> None:
+    """-o: never through a symbolic link (other writers refuse links too), never a name with a control
+    character (it lands in the recipe's launch comment), never an existing file without --force."""
+    if out.is_symlink():
+        raise RecipeError([f"-o: {out} is a symbolic link (to {os.readlink(out)}); init does not write through "
+                           "links: name the file itself"])
+    if any(ord(c) < 32 or ord(c) == 127 for c in str(out)):
+        raise RecipeError([f"-o: {str(out)!r} holds a control character; choose a recipe name without one"])
+    if out.exists() and not force:
+        raise RecipeError([f"-o: {out} exists; choose another path or add --force to replace it"])
+
+
+def write_validated(out: Path, text: str, given: dict, device: str) -> str:
+    """Write the recipe to a hidden sibling, fill its plan block, validate the file as read back (schema,
+    contract, and the model, data path and run dir equal to what was given: nothing injected, nothing cut at a
+    '#'), then rename it to `out`. On any failure the sibling is removed and `out` is untouched. Returns the
+    launch command."""
+    from finetune.plan.headers import launch_command, rewrite
+    from finetune.recipe import load
+    from finetune.util import atomic
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.init-tmp")
+    try:
+        atomic.write_bytes(tmp, text.encode())
+        rewrite(tmp)  # the plan block: launch command and memory, as every shipped recipe has
+        recipe = load(tmp)  # schema and FSDP/QLoRA contract: a recipe init writes always validates
+        raw = yaml.safe_load(tmp.read_text())
+        back = {"model": recipe.model.name, "data": raw["data"]["sources"][0]["path"], "run_dir": raw["output"]["dir"]}
+        if back != given:
+            raise RecipeError([f"-o: {out} would not say what was given (read back: {back!r}, given: {given!r}); "
+                               "nothing was written"])
+        launch = launch_command(recipe, str(out), device, Path(__file__).resolve().parents[2])
+        # the header names recipes by recipes/NAME (where shipped ones live); this one is where it was written
+        atomic.write_bytes(tmp, ("\n".join(f"# launch:      {launch}" if line.startswith("# launch:") else line
+                                           for line in tmp.read_text().splitlines()) + "\n").encode())
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return launch
+
+
 def run(a) -> int:
     from finetune.commands.common import at_least_one
     from finetune.commands.data import tokenizer_for
-    from finetune.plan.headers import launch_command, rewrite
     from finetune.plan.starter import recipe_text, size
-    from finetune.recipe import ModelSpec, load
+    from finetune.recipe import ModelSpec
     from finetune.util.units import fmt, parse_size
 
     at_least_one(a, "gpus")
     out = a.output or Path(Path(a.data).stem + ".yaml")
-    if out.exists() and not a.force:
-        raise RecipeError([f"-o: {out} exists; choose another path or add --force to replace it"])
+    refuse_output(out, a.force)
     device = "cuda" if a.gpus or a.gpu_memory else "cpu"
     gpus, memory = a.gpus or 1, parse_size(a.gpu_memory or "24GiB", "--gpu-memory") if device == "cuda" else None
     tok = tokenizer_for(ModelSpec(name=a.model))
     model = model_facts(a.model, tok)
     data, stats = data_facts(a.data, tok, model)
     z = size(data, model, device, gpus, memory)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(recipe_text(data, model, z, a.run_dir or f"runs/{out.stem}"))
-    rewrite(out)  # the plan block: launch command and memory, as every shipped recipe has
-    load(out)  # schema and FSDP/QLoRA contract: a recipe init writes always validates
-    launch = launch_command(load(out), str(out), device, Path(__file__).resolve().parents[2])
-    # the header names recipes by recipes/NAME (where shipped ones live); this one is where it was written
-    out.write_text("\n".join(f"# launch:      {launch}" if line.startswith("# launch:") else line
-                             for line in out.read_text().splitlines()) + "\n")
+    launch = write_validated(out, recipe_text(data, model, z, a.run_dir or f"runs/{out.stem}"),
+                             {"model": model.name, "data": data.path, "run_dir": a.run_dir or f"runs/{out.stem}"},
+                             device)
     bad = f"; {stats['rows_skipped']} bad rows skipped (see `finetune data`)" if stats["rows_skipped"] else ""
     print(f"data: {data.path}: {data.rows} rows of {data.format} ({', '.join(data.fields)}){bad}; longest example "
           f"{data.longest} tokens, 99% within {data.p99} (the tokenizer of {model.name})")

@@ -71,6 +71,9 @@ def length_lines(counts: dict, max_seq_len: int) -> list[str]:
     if c["no_trained_tokens"]:
         lines.append(f"data: {c['no_trained_tokens']} examples dropped with no token to train (no completion or "
                      "assistant turn)")
+    if c.get("identical_pairs"):
+        lines.append(f"data: {c['identical_pairs']} preference pairs dropped: chosen equals rejected (as trained, within "
+                     f"{max_seq_len} tokens), so a preference method learns nothing from them")
     if lines and c["longest_example"] > max_seq_len:
         lines.append(f"the longest example has {c['longest_example']} tokens; data.max_seq_len="
                      f"{c['max_seq_len_99pct']} keeps 99% of them whole (or shorten the prompts)")

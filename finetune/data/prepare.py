@@ -215,6 +215,9 @@ def _keep(ds, spec: DataSpec, bad: BadRows, counts: dict, vocab_size: int | None
                 continue
             labels = ex["labels"][: spec.max_seq_len]
             rejected = ex["rejected_labels"][: spec.max_seq_len]
+            if pair and ex["input_ids"][: spec.max_seq_len] == ex["rejected_ids"][: spec.max_seq_len]:
+                counts["identical_pairs"] += 1  # chosen == rejected as trained: a zero DPO/ORPO signal
+                continue
             if all(t == IGNORE for t in labels[1:]) or (pair and all(t == IGNORE for t in rejected[1:])):
                 counts["prompt_fills_max_seq_len" if cut else "no_trained_tokens"] += 1
                 continue
@@ -256,7 +259,7 @@ def prepare(spec: DataSpec, tok, vocab_size: int | None = None) -> Prepared:
     rows = read_all(spec, bad, random.Random(spec.shuffle_seed), vocab_size)
     _check_templates(rows, spec, tok)
     counts = {"truncated": 0, "dropped_overlong": 0, "prompt_fills_max_seq_len": 0, "no_trained_tokens": 0,
-              "lengths": array("q")}
+              "identical_pairs": 0, "lengths": array("q")}
     encoded = encode_cached(rows, rows.train, tok, spec, "train")
     train = Examples(encoded, _keep(encoded, spec, bad, counts, vocab_size), spec.max_seq_len)
     evals, eval_rows = [], []

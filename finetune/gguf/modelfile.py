@@ -89,6 +89,11 @@ def translate(tok, template: str) -> str:
 
 
 def modelfile_text(gguf: Path, tok, template: str | None, stops: list[str]) -> str:
+    # The file's path lands in the header comment, the `ollama create` line and FROM: a line break there would
+    # start a directive of its own (export refuses such names up front; this keeps any other caller honest).
+    if re.search(r"[\x00-\x1f\x7f]", str(gguf.with_suffix(".Modelfile"))):
+        raise RecipeError([f"{str(gguf)!r}: a control character in the name would inject lines into the "
+                           "Modelfile; choose a name without one"], "export")
     lines = [f"{HEADER}{gguf.name}, written by `finetune export`. To serve it:",
              f"#   ollama create NAME -f {gguf.with_suffix('.Modelfile')}",
              "#   ollama run NAME", f"FROM ./{gguf.name}"]

@@ -38,6 +38,32 @@ def find() -> str | None:
     return shutil.which("llama-quantize")
 
 
+def env_problem() -> str | None:
+    """Why FINETUNE_LLAMA_QUANTIZE, when set, names no program to run (the variable named, not "not installed")."""
+    env = os.environ.get("FINETUNE_LLAMA_QUANTIZE")
+    if not env or (Path(env).is_file() and os.access(env, os.X_OK)):
+        return None
+    what = "is not executable" if Path(env).is_file() else "is a directory" if Path(env).is_dir() else "does not exist"
+    return (f"but FINETUNE_LLAMA_QUANTIZE={env!r} {what} (point it at llama.cpp's llama-quantize binary, or unset "
+            "it to use the one built here or on PATH)")
+
+
+def output_problem(binary: str, out: Path) -> str | None:
+    """What a llama-quantize that exited 0 produced when it is not a GGUF file: nothing, an empty file, or
+    bytes without GGUF's magic (a wrapper script, another tool); None when it starts like a GGUF."""
+    try:
+        size = out.stat().st_size
+        with open(out, "rb") as f:
+            head = f.read(4)
+    except FileNotFoundError:
+        return f"{binary} exited 0 but wrote no file at {out}"
+    if size == 0:
+        return f"{binary} exited 0 but wrote an empty file"
+    if head != b"GGUF":
+        return f"{binary} exited 0 but wrote {size} bytes that are not a GGUF file (they start with {head!r})"
+    return None
+
+
 def command(binary: str, src: Path, out: Path, outtype: str) -> list[str]:
     return [binary, str(src), str(out), KQUANTS[outtype]]
 
@@ -45,7 +71,8 @@ def command(binary: str, src: Path, out: Path, outtype: str) -> list[str]:
 def missing_advice(src: Path, out: Path, outtype: str) -> str:
     """What to run when no llama-quantize is found: build it (or install llama.cpp), then quantize."""
     quoted = " ".join(command("llama-quantize", src, out, outtype))
-    return (f"{KQUANTS[outtype]} needs llama.cpp's llama-quantize, which is not installed. Build it once from the "
+    why = env_problem() or "which is not installed"  # the variable named when it points nowhere
+    return (f"{KQUANTS[outtype]} needs llama.cpp's llama-quantize, {why}. Build it once from the "
             f"pinned llama.cpp sources ({BUILD_COMMAND}: cmake and a C++ compiler, about 25 minutes on 2 cores) "
             f"and re-run this export, or with llama.cpp's tools on PATH run: {quoted}")
 

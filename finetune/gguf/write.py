@@ -67,24 +67,32 @@ def _weights(directory: Path) -> dict:
 
 
 def _convert(run_dir: Path, outtype: str, adapter_only: bool, merged: str | None, tmp: Path):
-    """Run the converter into `tmp`; returns (sources for the check, config.json dict, what was converted)."""
+    """Run the converter into `tmp`; returns (sources for the check, config.json dict, what was converted, the
+    adapter's scales for `adapter_scale.check_scales`: None for the merged model)."""
     if adapter_only:
+        import tempfile
+
+        from finetune.gguf.adapter_scale import portable
         from finetune.merge.source import resolve_source
 
         src = resolve_source(run_dir)
         _refuse_expert_adapters(src.adapter_dir)
-        args = [str(src.adapter_dir), "--base", str(src.base_dir), "--outfile", str(tmp), "--outtype", outtype]
-        proc = converter.run_converter("convert_lora_to_gguf.py", args, PRE_TOKENIZERS)
-        if proc.returncode != 0:
-            raise _converter_failed(proc, "convert_lora_to_gguf.py")
+        with tempfile.TemporaryDirectory(prefix="finetune-export-") as scratch:
+            # rsLoRA and patterns: written so llama.cpp's alpha / rank gives peft's scale (gguf/adapter_scale.py)
+            adapter_dir, scales = portable(src.adapter_dir, Path(scratch) / "adapter")
+            args = [str(adapter_dir), "--base", str(src.base_dir), "--outfile", str(tmp), "--outtype", outtype]
+            proc = converter.run_converter("convert_lora_to_gguf.py", args, PRE_TOKENIZERS)
+            if proc.returncode != 0:
+                raise _converter_failed(proc, "convert_lora_to_gguf.py")
+            sources = _weights(adapter_dir)
         config = json.loads((src.base_dir / "config.json").read_text())
-        return _weights(src.adapter_dir), config, src.adapter_dir
+        return sources, config, src.adapter_dir, scales
     model_dir = _merged_dir(run_dir, merged)
     args = [str(model_dir), "--outfile", str(tmp), "--outtype", outtype]
     proc = converter.run_converter("convert_hf_to_gguf.py", args, PRE_TOKENIZERS)
     if proc.returncode != 0:
         raise _converter_failed(proc, "convert_hf_to_gguf.py")
-    return _weights(model_dir), json.loads((model_dir / "config.json").read_text()), model_dir
+    return _weights(model_dir), json.loads((model_dir / "config.json").read_text()), model_dir, None
 
 
 def _refuse_expert_adapters(adapter_dir: Path) -> None:
@@ -101,9 +109,38 @@ def default_output(run_dir: Path, outtype: str, adapter_only: bool) -> Path:
     return run_dir / "gguf" / f"{'adapter' if adapter_only else 'model'}-{outtype}.gguf"
 
 
-def refuse_foreign_output(out: Path) -> None:
-    """--output replaces only a GGUF file (an earlier export): never a directory, and never another file,
-    such as the run's own RUN/adapter/adapter_model.safetensors or its recipe (exit 2)."""
+def _written_mark(gguf: Path) -> dict:
+    """What export's report records of the GGUF it wrote: its size and a digest of its first MiB (the header,
+    the tensor index and the first data), cheap enough to check before replacing a file of many GiB."""
+    import hashlib
+
+    with open(gguf, "rb") as f:
+        head = f.read(1 << 20)
+    return {"bytes": gguf.stat().st_size, "head_sha256": hashlib.sha256(head).hexdigest()}
+
+
+def write_report(out: Path, report: dict) -> None:
+    """OUTPUT.json, the check report, through the no-follow temporary and rename (a link planted at either
+    name is never written through), with the mark that lets a later export know it wrote OUTPUT."""
+    from finetune.util.atomic import write_text
+
+    report["written"] = _written_mark(out)
+    write_text(out.with_name(out.name + ".json"), json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def wrote_it(out: Path) -> bool:
+    """Whether `out` is the GGUF an earlier export wrote: its report beside it names this very file."""
+    try:
+        report = json.loads(out.with_name(out.name + ".json").read_text())
+        return isinstance(report, dict) and report.get("written") == _written_mark(out)
+    except (OSError, ValueError):
+        return False
+
+
+def refuse_foreign_output(out: Path, force: bool = False) -> None:
+    """--output replaces only a GGUF file an earlier export wrote (its report beside it matches it), unless
+    --force: never a directory, a link or another file (the run's own adapter or recipe), and never a GGUF
+    from elsewhere (a downloaded base model) without --force (exit 2)."""
     if out.is_dir() or out.is_symlink():
         raise RecipeError([f"--output: {out} is a {'directory' if out.is_dir() else 'symbolic link'}; name the GGUF "
                            "file to write, e.g. --output model.gguf"], "export")
@@ -113,10 +150,41 @@ def refuse_foreign_output(out: Path) -> None:
         if magic != b"GGUF":
             raise RecipeError([f"--output: {out} exists and is not a GGUF file that export wrote; name a new file "
                                "(export never replaces other files)"], "export")
+        if not force and not wrote_it(out):
+            raise RecipeError([f"--output: {out} is a GGUF file that export did not write (no matching "
+                               f"{out.name}.json report beside it); name a new file, or add --force to replace "
+                               "it"], "export")
+
+
+def refuse_planted(run_dir: Path, out: Path) -> None:
+    """A symbolic link planted where export writes (RUN/gguf, the GGUF's report, its Modelfile, their
+    temporaries) is exit 2 naming it, before anything is converted: nothing is written through a link."""
+    from finetune.util.atomic import temp_name
+
+    names = [out.with_name(out.name + ".json"), out.with_suffix(".Modelfile")]
+    found = [p for p in names + [temp_name(p) for p in names] if p.is_symlink()]
+    if out.parent == run_dir / "gguf" and out.parent.is_symlink():
+        found.insert(0, out.parent)
+    if found:
+        raise RecipeError([f"{p} is a symbolic link (to {os.readlink(p)}); export does not write through links: "
+                           "remove it" for p in found], "export")
+
+
+def refuse_unsafe_name(out: Path) -> None:
+    """The output's path lands in generated text (the Modelfile's header comment, its `ollama create` line, its
+    FROM line, the report): a control character (a line break) there would add Ollama directives. Exit 2
+    before anything is written."""
+    import re
+
+    bad = re.search(r"[\x00-\x1f\x7f]", str(out))
+    if bad:
+        raise RecipeError([f"--output: {str(out)!r} holds the control character {bad.group()!r}, which would "
+                           "break the lines of the Modelfile written beside it; choose a name without one"],
+                          "export")
 
 
 def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, output: str | None = None,
-                merged: str | None = None, greedy_prompts: int = 200) -> dict:
+                merged: str | None = None, greedy_prompts: int = 200, force: bool = False) -> dict:
     """Convert, check, then publish OUTPUT (and OUTPUT.json, the check report). RuntimeError when a check
     fails (nothing is published); RecipeError for bad input or a missing converter."""
     from finetune.gguf.readback import check_tensors
@@ -130,20 +198,27 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
         if adapter_only:
             raise RecipeError([f"--outtype {outtype} --adapter-only: llama.cpp applies LoRA GGUFs in f16/f32/q8_0; "
                                "quantize the merged model instead (without --adapter-only)"], "export")
-        return _export_kquant(run_dir, outtype, output, merged, greedy_prompts)
+        return _export_kquant(run_dir, outtype, output, merged, greedy_prompts, force)
     run_dir = Path(run_dir).expanduser().resolve()
+    out = Path(output).expanduser().resolve() if output else default_output(run_dir, outtype, adapter_only)
+    refuse_unsafe_name(out)
     conv = converter.require()
     if not (run_dir / "adapter" / "adapter_config.json").is_file() and not (merged and not adapter_only):
         raise RecipeError([f"{run_dir} is not a run dir (no adapter/adapter_config.json)"], "export")
-    out = Path(output).expanduser().resolve() if output else default_output(run_dir, outtype, adapter_only)
-    refuse_foreign_output(out)
+    refuse_planted(run_dir, out)
+    refuse_foreign_output(out, force)
     clean_stale(out, "export")  # the hidden full-size temporary of an export killed mid-write
     with temp_file(out) as tmp:
-        sources, config, converted = _convert(run_dir, outtype, adapter_only, merged, tmp)
+        sources, config, converted, scales = _convert(run_dir, outtype, adapter_only, merged, tmp)
         tensors = check_tensors(conv, tmp, sources, config, lora=adapter_only)
         report = {"format": "gguf", "outtype": outtype, "adapter_only": adapter_only, "source": str(converted),
                   "converter": f"llama.cpp convert_{'lora' if adapter_only else 'hf'}_to_gguf.py from "
                                f"llama-cpp-python=={converter.PIN}", "tensors": tensors}
+        if scales is not None:  # the scale llama.cpp applies, module by module, against peft's
+            from finetune.gguf.adapter_scale import check_scales
+            from finetune.gguf.readback import gguf_module
+
+            report["scaling"] = check_scales(gguf_module(conv), tmp, scales)
         if tensors["mismatched"]:
             raise RuntimeError(f"export: {len(tensors['mismatched'])} GGUF tensor(s) differ from their source, "
                                f"e.g. {tensors['mismatched'][0]}; nothing was written to {out}")
@@ -153,7 +228,7 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
                                f"{report['greedy']['summary']}; nothing was written to {out}")
         apply_umask(tmp)  # mkstemp makes 0600
         os.replace(tmp, out)
-    out.with_name(out.name + ".json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_report(out, report)
     if not adapter_only:  # Ollama serves the merged GGUF; an adapter GGUF needs a base GGUF this export lacks
         from finetune.gguf.modelfile import write_modelfile
 
@@ -177,20 +252,48 @@ def _greedy(run_dir: Path, converted: Path, gguf_file: Path, adapter_only: bool,
     return greedy_parity(run_dir, converted, gguf_file, n)
 
 
-def _export_kquant(run_dir, outtype: str, output: str | None, merged: str | None, greedy_prompts: int) -> dict:
+def _quantized_tensors(binary: str, src: Path, tmp: Path, out: Path, f16: dict) -> dict:
+    """check_tensors of what llama-quantize wrote into `tmp`; RunError (exit 3) naming the binary when it exited 0
+    but wrote no GGUF (nothing, an empty file, other bytes, a file gguf-py cannot read, a GGUF missing tensors)."""
+    from finetune.gguf import quantizer
+    from finetune.gguf.readback import check_tensors
+    from finetune.util.errors import RunError
+
+    sources = _weights(Path(f16["source"]))
+    config = json.loads((Path(f16["source"]) / "config.json").read_text())
+    why = quantizer.output_problem(binary, tmp)
+    tensors = {}
+    if why is None:
+        try:
+            tensors = check_tensors(converter.require(), tmp, sources, config)
+        except Exception as e:  # noqa: BLE001 - gguf-py fails on a malformed file with assorted errors
+            why = (f"{binary} exited 0 but wrote {tmp.stat().st_size} bytes that gguf-py cannot read as GGUF "
+                   f"({type(e).__name__}: {str(e)[:120]})")
+    if not why and tensors["tensors"] != f16["tensors"]["tensors"]:  # a GGUF, but not all of the model
+        why = f"{binary} exited 0 but wrote a GGUF of {tensors['tensors']} tensors where {src.name} has " \
+              f"{f16['tensors']['tensors']}"
+    if why:
+        raise RunError([f"wrote and checked {src}; {why}. Nothing was written to {out}; check that binary "
+                        f"(llama.cpp's llama-quantize at llama-cpp-python=={converter.PIN})"], "export")
+    return tensors
+
+
+def _export_kquant(run_dir, outtype: str, output: str | None, merged: str | None, greedy_prompts: int,
+                   force: bool = False) -> dict:
     """A K-quant GGUF (q4_k_m, ...): the checked f16 export first (kept: it is the quantizer's input and a
     GGUF of its own), then llama-quantize into a temporary sibling of the output, every tensor read back
     within its type's error bound, and only then the rename. Without llama-quantize: RunError (exit 3) after
     the f16 file is written, naming the command that finishes the job."""
     from finetune.gguf import quantizer
-    from finetune.gguf.readback import check_tensors
     from finetune.util.errors import RunError
 
     run_dir = Path(run_dir).expanduser().resolve()
     out = Path(output).expanduser().resolve() if output else default_output(run_dir, outtype, False)
-    refuse_foreign_output(out)
+    refuse_unsafe_name(out)
+    refuse_planted(run_dir, out)
+    refuse_foreign_output(out, force)
     f16 = export_gguf(run_dir, "f16", False, str(out.with_name(out.stem + ".f16.gguf")) if output else None, merged,
-                      greedy_prompts=0)  # the greedy check runs once, on the file people serve
+                      greedy_prompts=0, force=force)  # the greedy check runs once, on the file people serve
     src = Path(f16["output"])
     binary = quantizer.find()
     if binary is None:
@@ -200,9 +303,7 @@ def _export_kquant(run_dir, outtype: str, output: str | None, merged: str | None
         proc = quantizer.quantize(binary, src, tmp, outtype)
         if proc.returncode != 0:
             raise _converter_failed(proc, "llama-quantize")
-        sources = _weights(Path(f16["source"]))
-        config = json.loads((Path(f16["source"]) / "config.json").read_text())
-        tensors = check_tensors(converter.require(), tmp, sources, config)
+        tensors = _quantized_tensors(binary, src, tmp, out, f16)
         if tensors["mismatched"]:
             raise RuntimeError(f"export: {len(tensors['mismatched'])} {outtype} tensor(s) are further from their "
                                f"source than the type allows, e.g. {tensors['mismatched'][0]}; nothing was "
@@ -216,7 +317,7 @@ def _export_kquant(run_dir, outtype: str, output: str | None, merged: str | None
                                f"{report['greedy']['summary']}; nothing was written to {out}")
         apply_umask(tmp)
         os.replace(tmp, out)
-    out.with_name(out.name + ".json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    write_report(out, report)
     from finetune.gguf.modelfile import write_modelfile
 
     report["modelfile"] = str(write_modelfile(out, run_dir, Path(f16["source"])))

@@ -9,7 +9,7 @@ def _front_matter(src) -> list[str]:
     base = src.base_name if not src.base_name.startswith("/") else None  # local paths mean nothing elsewhere
     lines = ["---", "library_name: transformers", "tags: [finetune, lora, qlora, merged]"]
     if base and not base.startswith("builtin:"):
-        lines.append(f"base_model: {base}")
+        lines.append(f"base_model: {json.dumps(base)}")  # quoted YAML: a line break in a name adds no key
     return lines + ["---", ""]
 
 

@@ -3,8 +3,11 @@ and the memory plan (estimate.build), and the recipe's text with a comment on ev
 measures the data with the model's tokenizer and passes the figures in."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, replace
+
+import yaml
 
 from finetune.plan import estimate as E
 from finetune.plan.headers import BEGIN, END
@@ -51,6 +54,18 @@ class Sizing:
     notes: list[str] = field(default_factory=list)
 
 
+def scalar(value: str) -> str:
+    """`value` as one YAML scalar, by the YAML library: a '#', a line break or a leading '-' stays part of the
+    value (a data file named `exp #3.jsonl` used to become `exp`; a line break injected recipe keys)."""
+    text = yaml.safe_dump(value, default_style='"', width=1 << 30, allow_unicode=True).strip()
+    return text.removesuffix("\n...").strip()
+
+
+def comment(value) -> str:
+    """`value` inside a `# ...` comment line: control characters escaped, so it cannot end the comment."""
+    return json.dumps(str(value), ensure_ascii=False)[1:-1]
+
+
 def seq_len(data: DataFacts, model: ModelFacts) -> int:
     """The 99th percentile rounded up to 64 tokens, within the model's context."""
     n = max(64, math.ceil(data.p99 / 64) * 64)
@@ -64,6 +79,11 @@ def held_out(rows: int) -> float:
     return round(min(max(10, round(0.05 * rows)), 500) / rows, 4)
 
 
+def learning_rate(data: DataFacts, gpu: bool) -> float:
+    """LoRA's usual start; a tenth of it for DPO, whose pairs move the policy away from a reference."""
+    return (2.0e-4 if gpu else 2.0e-3) / (10 if data.format == "preference" else 1)
+
+
 def base_recipe(data: DataFacts, model: ModelFacts, device: str, gpus: int) -> dict:
     gpu = device == "cuda"
     return {"model": {"name": model.name, **({"dtype": model.dtype} if gpu else {}),
@@ -73,7 +93,8 @@ def base_recipe(data: DataFacts, model: ModelFacts, device: str, gpus: int) -> d
             "data": {"sources": [{"path": data.path, "format": data.format}], "max_seq_len": 64,
                      **({"prompt_template": "chat"} if data.format in PLAIN and model.chat_template else {}),
                      **({} if model.chat_template or not data.chat else {"chat_template": "chatml"})},
-            "train": {"micro_batch_size": 1, "learning_rate": 2.0e-4 if gpu else 2.0e-3},
+            "train": {"micro_batch_size": 1, "learning_rate": learning_rate(data, gpu),
+                      **({"method": "dpo"} if data.format == "preference" else {})},
             "distributed": {"strategy": "fsdp" if gpus > 1 else "single", "num_processes": gpus}}
 
 
@@ -132,14 +153,16 @@ def recipe_text(data: DataFacts, model: ModelFacts, z: Sizing, out_dir: str) -> 
             if z.eval_split else "too few rows to hold any out: eval_loss is not measured")
     template = ("its own chat template" if model.chat_template else
                 "no chat template of its own: ChatML (data.chat_template)" if data.chat else "no chat template")
-    lines = [f"# Written by `finetune init --model {model.name} --data {data.path}`: a first run to adjust.",
-             f"# data:  {data.rows} rows of {data.format} ({', '.join(data.fields)}); the longest example has "
-             f"{data.longest} tokens, 99% fit in {data.p99}",
-             f"# model: {model.architecture}, {template}",
-             *[f"# note:  {n}" for n in z.notes],
+    # Every value the user or their files chose goes in through `scalar`, every comment through `comment`.
+    lines = [f"# Written by `finetune init --model {comment(model.name)} --data {comment(data.path)}`: a first run "
+             "to adjust.",
+             f"# data:  {data.rows} rows of {data.format} ({comment(', '.join(data.fields))}); the longest example "
+             f"has {data.longest} tokens, 99% fit in {data.p99}",
+             f"# model: {comment(model.architecture)}, {template}",
+             *[f"# note:  {comment(n)}" for n in z.notes],
              BEGIN, f"# planned for: {z.gpus} x {size_txt}", END,
              "model:",
-             f"  name: {model.name}"]
+             f"  name: {scalar(model.name)}"]
     if gpu:
         lines.append(f"  dtype: {model.dtype}            # the checkpoint's own dtype for the frozen weights")
     lines += [f"  gradient_checkpointing: {str(gpu).lower()}   # recompute activations: "
@@ -152,7 +175,7 @@ def recipe_text(data: DataFacts, model: ModelFacts, z: Sizing, out_dir: str) -> 
               f"  dropout: {0.05 if gpu else 0.0}",
               "data:",
               "  sources:",
-              f"    - path: {data.path}",
+              f"    - path: {scalar(data.path)}",
               f"      format: {data.format}   # detected from the fields",
               f"  eval_split: {z.eval_split}   # {held}",
               f"  max_seq_len: {z.max_seq_len}   # 99% of the examples fit whole; longer ones are truncated"]
@@ -166,11 +189,14 @@ def recipe_text(data: DataFacts, model: ModelFacts, z: Sizing, out_dir: str) -> 
               f"  gradient_accumulation_steps: {z.accumulation}   # about {TARGET_BATCH} sequences per step "
               "(fewer for a small data set, so it still takes steps)",
               f"  epochs: {z.epochs:g}   # passes over the training rows",
-              f"  learning_rate: {2.0e-4 if gpu else 2.0e-3:g}",
+              f"  learning_rate: {learning_rate(data, gpu):g}",
               "  warmup_steps: 10"]
+    if data.format == "preference":
+        lines.append("  method: dpo   # the rows are preference pairs (prompt, chosen, rejected): DPO learns from "
+                     "them (orpo: the other choice, without a reference)")
     if z.gpus > 1 or z.offload:
         lines += ["distributed:", f"  strategy: {z.strategy}", f"  num_processes: {z.gpus}"]
     if z.offload:
         lines += ["fsdp:", "  cpu_offload: true   # nothing else fits these GPUs"]
-    lines += ["output:", f"  dir: {out_dir}"]
+    lines += ["output:", f"  dir: {scalar(out_dir)}"]
     return "\n".join(lines) + "\n"

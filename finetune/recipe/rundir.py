@@ -47,7 +47,11 @@ def foreign_recipe(run_dir: Path) -> str | None:
 # What finetune writes in a run dir (and its temporaries): a symbolic link planted at one of these names would
 # make the run write through it to a file outside the dir (in a shared output folder, another user's).
 WRITTEN = (".lock", "recipe.yaml", ".recipe.yaml.tmp", "metrics.jsonl", "memory.json", ".memory.json.tmp", "adapter",
-           ".tmp-adapter", ".del-adapter", "checkpoints", "reference", "merged")
+           ".tmp-adapter", ".del-adapter", "checkpoints", "reference", "merged",
+           # every other file a verb writes there, and the no-follow temporary it is renamed from
+           ".metrics.jsonl.tmp", "report.html", ".report.html.tmp", "trackers.json", ".trackers.json.tmp",
+           "reference/logps.json", "reference/.logps.json.tmp", "predictions.jsonl", ".predictions.jsonl.tmp",
+           "tensorboard", "wandb", "gguf")
 
 
 def planted_links(run_dir: Path) -> list[str]:

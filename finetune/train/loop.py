@@ -59,6 +59,7 @@ from finetune.train.loss import loss_totals, setup_forward, unwrapped
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.preference import eval_totals
+from finetune.train.refpolicy import FILE as REFERENCE_FILE
 from finetune.train.refpolicy import attach_reference, dpo_key
 from finetune.train.run import Adapters, Optim, Run, Setup, held_out_batches, plan_steps
 from finetune.train.step import global_sum, make_scaler, optimizer_step
@@ -339,7 +340,8 @@ def save_checkpoint(run: Run):
                     optimizer=run.optimizer, scheduler=run.scheduler,
                     data_state={"epoch": run.epoch, "cursor": run.cursor}, keep=t.keep_checkpoints,
                     fingerprint=fingerprint(run.recipe, run.acc.num_processes, run.prepared.stats),
-                    scaler_state=run.scaler.state_dict())
+                    scaler_state=run.scaler.state_dict(),
+                    beside=(str(REFERENCE_FILE),) if dpo_key(run.recipe, run.prepared.stats) else ())
 
 
 def run_fingerprint(recipe: Recipe, s: Setup) -> dict:

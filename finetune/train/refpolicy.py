@@ -52,10 +52,22 @@ def dpo_key(recipe, stats: dict) -> str | None:
 
 
 def read_stored(run_dir: Path, key: str) -> dict | None:
-    """RUN_DIR/reference/logps.json when it was made for `key` (`reference_key`), else None."""
+    """RUN_DIR/reference/logps.json when it was made for `key` (`reference_key`), else None: also when it is
+    damaged (truncated, not JSON, not two log-probs per pair), which a fresh run then recomputes (a resumed
+    run's Resume checks the file against its checkpoint's manifest first)."""
     path = Path(run_dir) / FILE
-    stored = json.loads(path.read_text()) if path.exists() else None
-    return stored if isinstance(stored, dict) and stored.get("key") == key else None
+    try:
+        stored = json.loads(path.read_bytes()) if path.exists() else None
+    except (ValueError, OSError) as e:  # UnicodeDecodeError is a ValueError
+        log.warning(f"reference: {path} cannot be read ({type(e).__name__}: {str(e)[:80]}); it is not used")
+        return None
+    if not isinstance(stored, dict) or stored.get("key") != key:
+        return None
+    if not all(isinstance(stored.get(k), list) and all(isinstance(r, list) and len(r) == 2 for r in stored[k])
+               for k in ("train", "eval")):
+        log.warning(f"reference: {path} does not hold two log-probs per pair; it is not used")
+        return None
+    return stored
 
 
 def attach_reference(recipe, run_dir: Path, s: Setup, model, stored: dict | None) -> None:

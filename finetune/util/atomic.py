@@ -3,6 +3,7 @@ previous version (or nothing), never half of one. Data is fsynced before the ren
 after a power loss a renamed file cannot be empty or truncated."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -21,17 +22,32 @@ def write_bytes(path: Path, data: bytes) -> None:
     """Plain Python I/O, so a failed write raises OSError with its errno (disk full, quota, ...): torch.save
     and safetensors' save_file, writing themselves, report it as an error whose only trace is the message."""
     # O_NOFOLLOW: a link planted at a name finetune writes is an error (ELOOP), never written through.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        from finetune.util.errors import RecipeError
+
+        raise RecipeError([f"{path} is a symbolic link (to {os.readlink(path)}); finetune does not write through "
+                           "links: remove it"]) from None
     with open(fd, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
 
 
-def write_text(path: Path, text: str) -> None:
-    """Replace `path` with `text` atomically (a hidden sibling, fsynced, then renamed over it)."""
+def temp_name(path: Path) -> Path:
+    """The hidden sibling `write_text` writes before the rename (listed among a run dir's written names)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    return path.with_name(f".{path.name}.tmp")
+
+
+def write_text(path: Path, text: str) -> None:
+    """Replace `path` with `text` atomically (a hidden sibling, fsynced, then renamed over it). A link planted
+    at the sibling is refused (O_NOFOLLOW); one planted at `path` is replaced by the rename, never followed."""
+    path = Path(path)
+    tmp = temp_name(path)
     write_bytes(tmp, text.encode())
     os.replace(tmp, path)
     fsync_dir(path.parent)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from finetune import cli
@@ -187,3 +188,37 @@ def test_llama_cpp_greedy_outputs_equal_transformers(run, merged, tmp_path):
     res = export_gguf(run, "f32", output=str(tmp_path / "m.gguf"), greedy_prompts=20)
     g = res["greedy"]
     assert g["status"] == "passed" and g["prompts"] == 20, g
+
+
+@needs_converter
+def test_an_rslora_adapter_runs_in_llama_cpp_at_peft_s_scale_and_dora_is_refused(tmp_path, capsys):
+    # rsLoRA scales by alpha/sqrt(r); llama.cpp by the GGUF's alpha / r. Written as it was, rank 16 ran 4x weak.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from finetune.gguf.readback import gguf_module, read_tensor
+    from finetune.util import builtin as tiny
+    from tests.integration.conftest import make_run_dir
+
+    run = make_run_dir(tmp_path / "rs", lora_kwargs={"use_rslora": True})
+    assert cli.main(["export", str(run), "--adapter-only", "--outtype", "f32", "--greedy-prompts", "0"]) == 0
+    out = run / "gguf" / "adapter-f32.gguf"
+    assert json.loads(out.with_name(out.name + ".json").read_text())["scaling"]["max_rel_diff"] < 1e-6
+    gguf = gguf_module(converter.converter_dir())
+    reader = gguf.GGUFReader(str(out))
+    alpha = float(reader.fields["adapter.lora.alpha"].contents())
+    t = {x.name: read_tensor(gguf, x) for x in reader.tensors}
+    peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny.model_dir()), run / "adapter")
+    for layer, hf, ll in ((0, "self_attn.v_proj", "attn_v"), (3, "mlp.down_proj", "ffn_down")):
+        a, b = t[f"blk.{layer}.{ll}.weight.lora_a"], t[f"blk.{layer}.{ll}.weight.lora_b"]
+        llama_cpp = alpha / a.shape[0] * (b @ a)  # what llama-adapter.cpp adds to the weight
+        module = peft.get_submodule(f"base_model.model.model.layers.{layer}.{hf}")
+        want = module.get_delta_weight("default")
+        assert torch.allclose(llama_cpp, want, rtol=1e-5, atol=1e-7), (layer, hf)
+    # DoRA's magnitudes: refused up front by the reason, nothing written (it used to end in the converter's log)
+    dora = make_run_dir(tmp_path / "dora", lora_kwargs={"use_dora": True})
+    capsys.readouterr()
+    assert cli.main(["export", str(dora), "--adapter-only", "--greedy-prompts", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "DoRA (use_dora)" in err and "without --adapter-only" in err and "Traceback" not in err
+    assert not (dora / "gguf" / "adapter-f16.gguf").exists()

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from finetune import recipe as R
 from finetune.train import loop, refpolicy
 from finetune.train.gather import gather_full_adapter_state
+from finetune.train.keepers import checkpoint
 from finetune.train.keepers import resume as resume_mod
 from finetune.util.errors import RunError
 
@@ -135,6 +136,15 @@ def test_a_resumed_dpo_run_reads_its_reference_log_probs(tmp_path, monkeypatch):
     assert restored.reference == stored and restored.step == 5
     assert [list(e["ref"]) for e in run.prepared.train] == stored["train"]
     assert [list(e["ref"]) for e in run.prepared.eval] == stored["eval"]
+    # ... a damaged file is refused by name, checked against the size and SHA-256 the checkpoint's manifest recorded
+    manifest = json.loads((run_dir / "checkpoints" / "step-5" / "trainer_state.json").read_text())
+    path, whole = run_dir / refpolicy.FILE, (run_dir / refpolicy.FILE).read_bytes()
+    assert manifest["beside"][str(refpolicy.FILE)]["bytes"] == len(whole)
+    path.write_bytes(whole[: len(whole) // 2])  # truncated: it used to end in a JSONDecodeError traceback
+    with pytest.raises(RunError, match=f"{path} has {len(whole) // 2} bytes, the checkpoint recorded {len(whole)}"):
+        loop.train(recipe, run_dir)
+    path.write_bytes(whole.replace(b"]", b" ]", 1)[:-1])  # same size, other bytes: the hash tells
+    assert "its SHA-256 differs" in checkpoint.beside_problem(manifest, run_dir, str(refpolicy.FILE))
     # ... and without the file a resumed DPO run refuses to start rather than recompute them
     (run_dir / refpolicy.FILE).unlink()
     with pytest.raises(RunError, match="reference log-probs of a resumed DPO run cannot be recomputed"):

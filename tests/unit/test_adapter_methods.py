@@ -119,3 +119,26 @@ def test_validate_refuses_dora_on_adapted_moe_experts(capsys):
     assert "lora.use_dora" in out and "lora.target_parameters: []" in out
     assert cli.main(["validate", "recipes/mixtral_8x7b_qlora.yaml", "lora.use_dora=true",
                      "lora.target_parameters=[]"]) == 0
+
+
+def test_validate_refuses_a_missing_init_adapter_or_one_of_another_rank(tmp_path, capsys):
+    # Both used to pass validate; the rank then failed after the model had loaded, in a size-mismatch traceback.
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    assert cli.main(["validate", "recipes/tiny_cpu.yaml", f"lora.init_adapter={tmp_path / 'nope'}"]) == 2
+    err = "".join(capsys.readouterr())  # the findings on stdout
+    assert f"lora.init_adapter: {tmp_path / 'nope'} does not exist" in err and "Traceback" not in err
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16}))
+    save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(8, 4)}, str(adapter / "adapter_model.safetensors"))
+    assert cli.main(["validate", "recipes/tiny_cpu.yaml", f"lora.init_adapter={adapter}", "lora.r=16"]) == 2
+    err = "".join(capsys.readouterr())  # the findings on stdout
+    assert f"lora.init_adapter: {adapter} has rank 8, lora.r is 16" in err and "lora.r: 8" in err
+    assert cli.main(["validate", "recipes/tiny_cpu.yaml", f"lora.init_adapter={adapter}", "lora.r=8"]) == 0
+    (adapter / "adapter_config.json").write_text('{"r": 8')  # truncated
+    assert cli.main(["validate", "recipes/tiny_cpu.yaml", f"lora.init_adapter={adapter}", "lora.r=8"]) == 2
+    assert "adapter_config.json cannot be read as JSON" in "".join(capsys.readouterr())

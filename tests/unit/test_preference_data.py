@@ -99,3 +99,33 @@ def test_packing_is_refused_for_preference_methods():
 
     with pytest.raises(ValueError, match="data.packing"):
         Recipe.model_validate({"train": {"method": "dpo"}, "data": {"packing": True}})
+
+
+def test_pairs_whose_chosen_equals_rejected_are_counted_warned_and_dropped(tmp_path, tok):
+    from finetune.data.explain import data_notes
+
+    rows = [{"prompt": f"q{i}\n", "chosen": "yes", "rejected": "yes" if i % 3 == 0 else "no"} for i in range(9)]
+    rows.append({"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                 "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]})
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = DataSpec(sources=[DataSource(path=str(path))], eval_split=0)
+    prepared = P.prepare(spec, tok)
+    assert prepared.stats["identical_pairs"] == 4 and len(prepared.train) == 6  # rows 0, 3, 6 and the chat
+    assert all(e["input_ids"] != e["rejected_ids"] for e in prepared.train)
+    _, warns = data_notes(spec, prepared.stats)  # what `finetune data` and `train` print
+    assert any("4 preference pairs dropped: chosen equals rejected" in w for w in warns), warns
+
+
+def test_a_damaged_reference_file_is_not_used_by_a_fresh_run(tmp_path):
+    # A fresh DPO run (no checkpoint) recomputes what it cannot read; it used to die in a JSONDecodeError.
+    from finetune.train import refpolicy
+
+    path = tmp_path / refpolicy.FILE
+    path.parent.mkdir()
+    good = {"key": "k", "train": [[-1.0, -2.0]], "eval": []}
+    path.write_text(json.dumps(good))
+    assert refpolicy.read_stored(tmp_path, "k") == good
+    for damaged in (json.dumps(good)[:20], '{"key": "k", "train": [[1.0]], "eval": []}', "\udcff"):
+        path.write_bytes(damaged.encode(errors="surrogateescape"))
+        assert refpolicy.read_stored(tmp_path, "k") is None

@@ -50,3 +50,37 @@ def test_resumed_run_reuses_kept_ids_and_a_fresh_one_does_not(tmp_path):
     assert kw["tensorboard"]["purge_step"] == 8  # events after the resumed step go, as metrics.jsonl's lines do
     fresh = T.init_kwargs(["wandb", "mlflow"], tmp_path, {}, step=0)
     assert fresh["wandb"]["id"] != "abc" and fresh["mlflow"]["run_id"] is None
+
+
+def test_wandb_without_a_login_is_refused_before_any_weights_load_and_offline_passes(tmp_path, capsys, monkeypatch):
+    # It used to pass validate and die in a traceback once the model had loaded. No network: only the environment
+    # and the netrc file are read.
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "netrc").write_text("machine example.com login me password x\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert cli.main(["validate", TINY, "output.report_to=[wandb]"]) == 2
+    out = capsys.readouterr().out
+    assert "output.report_to: wandb is not logged in here" in out and "WANDB_MODE=offline" in out
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert cli.main(["validate", TINY, "output.report_to=[wandb]"]) == 0
+    monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / "netrc").write_text("machine api.wandb.ai login user password 0123456789abcdef\n")  # `wandb login`
+    assert cli.main(["validate", TINY, "output.report_to=[wandb]"]) == 0
+
+
+def test_an_unreachable_mlflow_server_is_refused_and_a_listening_one_passes(capsys, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a loopback port nothing listens on once closed: refused at once, no network
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    assert cli.main(["validate", TINY, "output.report_to=[mlflow]"]) == 2
+    out = capsys.readouterr().out
+    assert f"MLFLOW_TRACKING_URI=http://127.0.0.1:{port} does not answer" in out and "sqlite:///" in out
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{s.getsockname()[1]}")
+        assert cli.main(["validate", TINY, "output.report_to=[mlflow]"]) == 0

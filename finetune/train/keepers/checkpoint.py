@@ -80,8 +80,11 @@ def latest(root: Path, notice=log.warning) -> Path | None:
 
 
 def save(root: Path, step: int, *, rank: int, world: int, barrier, adapter: tuple | None, optimizer, scheduler,
-         data_state: dict, keep: int, fingerprint: dict | None = None, scaler_state: dict | None = None) -> Path:
+         data_state: dict, keep: int, fingerprint: dict | None = None, scaler_state: dict | None = None,
+         beside: tuple[str, ...] = ()) -> Path:
     """Collective: every rank calls it. `adapter` is (peft_config, full_state) on rank 0, None elsewhere.
+    `beside`: files of the run dir (paths relative to it) that a resume reads besides the checkpoint (DPO's
+    reference log-probs); the manifest records their size and SHA-256 as it does the checkpoint's own files.
 
     A failed write (disk full, quota) raises OutputWriteError on that rank; the .tmp-* directory is
     never renamed, so no visible step-N is partial."""
@@ -107,13 +110,14 @@ def save(root: Path, step: int, *, rank: int, world: int, barrier, adapter: tupl
         if rank == 0:
             atomic.fsync_tree(tmp)
             files = {str(p.relative_to(tmp)): _file_entry(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+            outside = {name: _file_entry(root.parent / name) for name in beside}
             # The manifest is written last, then the directory is renamed: a crash before the rename leaves
             # only a .tmp-* directory, which is ignored and cleaned; a visible step-N always has everything,
             # and the sizes and hashes let `problems()` notice files that lost data anyway (a disk lying
             # about fsync, a bit flip).
             with open(tmp / MANIFEST, "w") as f:
                 json.dump({"step": step, "world_size": world, "data": data_state, "files": files,
-                           "fingerprint": fingerprint or {}}, f, indent=1)
+                           "fingerprint": fingerprint or {}, **({"beside": outside} if outside else {})}, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             atomic.replace_dir(tmp, final)
@@ -135,6 +139,23 @@ def _rng_state() -> dict:
 
 def _file_entry(p: Path) -> dict:
     return {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+
+
+def beside_problem(manifest: dict, run_dir: Path, name: str) -> str | None:
+    """Why RUN_DIR/`name` is not the file the checkpoint's manifest recorded beside it (missing, another size,
+    another SHA-256), or None; None too when the manifest recorded nothing (checkpoints older than `beside`)."""
+    want = manifest.get("beside", {}).get(name)
+    if want is None:
+        return None
+    path = Path(run_dir) / name
+    if not path.is_file():
+        return f"{path} is missing"
+    got = path.stat().st_size
+    if got != want["bytes"]:
+        return f"{path} has {got} bytes, the checkpoint recorded {want['bytes']} (truncated or replaced)"
+    if file_sha256(path) != want["sha256"]:
+        return f"{path} is not the file the checkpoint recorded (its SHA-256 differs)"
+    return None
 
 
 def problems(path: Path, hashes: bool = True) -> str | None:
@@ -188,6 +209,10 @@ def manifest_problem(state: dict, files: dict, dirname: str) -> str | None:
     for name, want in files.items():
         if not isinstance(name, str) or not _count(want.get("bytes")) or not isinstance(want.get("sha256", ""), str):
             return f"files entry {name!r} is not {{bytes, sha256}}"
+    beside = state.get("beside", {})
+    if not isinstance(beside, dict) or not all(isinstance(v, dict) and _count(v.get("bytes"))
+                                               and isinstance(v.get("sha256"), str) for v in beside.values()):
+        return "beside is not a mapping of run dir files to {bytes, sha256}"
     keys = state.get("fingerprint", {})
     if not isinstance(keys, dict) or not all(isinstance(v, str) for v in keys.values()):
         return "fingerprint is not a mapping of recipe keys to values"

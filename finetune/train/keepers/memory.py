@@ -149,7 +149,9 @@ class PhaseMemory:
         trace = snap["device_traces"][self.device.index or 0]
         out = Path(self.trace_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"memory_trace_rank{rank}.json").write_text(json.dumps(peak_sites(trace), indent=1) + "\n")
+        from finetune.util.atomic import write_text
+
+        write_text(out / f"memory_trace_rank{rank}.json", json.dumps(peak_sites(trace), indent=1) + "\n")
 
 
 def _site(frames: list[dict]) -> str:

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from finetune.train.keepers.summary import measured_keys, read_records
+from finetune.util import atomic
 
 WIDTH, HEIGHT, PAD = 640, 240, 48
 COLORS = {"loss": "#1f77b4", "eval_loss": "#d62728", "lr": "#2ca02c"}
@@ -93,7 +94,5 @@ def write_report(run_dir: Path) -> Path:
             "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right} pre{background:#f6f6f6;padding:8px}"
             "</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
     out = run_dir / "report.html"
-    tmp = out.with_suffix(".html.tmp")
-    tmp.write_text(page)
-    tmp.replace(out)
+    atomic.write_text(out, page)  # no-follow temporary, then the rename: a planted link is never written through
     return out

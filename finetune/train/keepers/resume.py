@@ -92,9 +92,14 @@ class Resume:
                         None if reference_key is None else self._reference(reference_key))
 
     def _reference(self, key: str) -> dict:
+        why = checkpoint.beside_problem(self.manifest, self.run_dir, str(refpolicy.FILE))
+        if why:  # verified like the checkpoint's own files: its size and SHA-256 are in the manifest
+            raise RunError([f"resume: {why} since {self.path.name} was written; the reference log-probs of a resumed "
+                            "DPO run cannot be recomputed (the model has moved on): restore the file, or start a "
+                            "fresh run (a new output.dir)"])
         stored = refpolicy.read_stored(self.run_dir, key)
         if stored is None:
-            raise RunError([f"resume: {self.run_dir / refpolicy.FILE} is missing or was made for another recipe; "
+            raise RunError([f"resume: {self.run_dir / refpolicy.FILE} is missing, damaged or was made for another recipe; "
                             "the reference log-probs of a resumed DPO run cannot be recomputed (the model has "
                             "moved on): start a fresh run"])
         return stored

@@ -30,8 +30,10 @@ STATE = "trackers.json"
 PROJECT = "finetune"  # W&B project, MLflow experiment (MLFLOW_EXPERIMENT_NAME overrides), TensorBoard subdir
 
 
-def tracker_problems(report_to) -> list[Problem]:
-    """Each tracker named in output.report_to that is not installed here, with the extra that installs it."""
+def tracker_problems(report_to, env=None) -> list[Problem]:
+    """Each tracker named in output.report_to that is not installed here, with the extra that installs it, or
+    that cannot work here (`usable_problem`): found by the preflight, before any weights load."""
+    env = os.environ if env is None else env
     out = []
     for name in report_to:
         module, extra = TRACKERS[name]
@@ -39,7 +41,63 @@ def tracker_problems(report_to) -> list[Problem]:
             out.append(Problem(level="error", path="output.report_to",
                                message=f"{name} is not installed (module {module!r} not found)",
                                fix=f"pip install 'finetune[{extra}]', or remove {name} from output.report_to"))
+        elif why := usable_problem(name, env):
+            out.append(Problem(level="error", path="output.report_to", message=why[0], fix=why[1]))
     return out
+
+
+# A tracker that cannot work is an error of the preflight (exit 2, before any weights load), not a run that
+# continues without it: a run the user asked to track and that was not tracked is found out only afterwards.
+# The offline modes need nothing and pass.
+def usable_problem(name: str, env) -> tuple[str, str] | None:
+    """(why, fix) when W&B has no login to use (online mode) or a configured W&B or MLflow server does not
+    answer on its port; None otherwise, and for the offline modes (WANDB_MODE=offline, an MLflow file or
+    database store). Never reaches beyond a configured server: the default W&B cloud is not probed."""
+    if name == "wandb" and env.get("WANDB_MODE", "online") not in ("offline", "disabled", "dryrun"):
+        base = env.get("WANDB_BASE_URL", "https://api.wandb.ai")
+        fix = ("run `wandb login` (or set WANDB_API_KEY), or set WANDB_MODE=offline to log locally and `wandb sync` "
+               "later, or remove wandb from output.report_to")
+        if not env.get("WANDB_API_KEY") and not _netrc_has(_host(base), env):
+            return f"wandb is not logged in here (no WANDB_API_KEY, no {_host(base)} entry in the netrc file)", fix
+        if "WANDB_BASE_URL" in env and (why := unreachable(base)):
+            return f"the W&B server WANDB_BASE_URL={base} {why}", fix
+    if name == "mlflow":
+        uri = env.get("MLFLOW_TRACKING_URI", "")
+        if uri.startswith(("http://", "https://")) and (why := unreachable(uri)):
+            return (f"the MLflow tracking server MLFLOW_TRACKING_URI={uri} {why}",
+                    "start the server or correct MLFLOW_TRACKING_URI, or point it at a local store "
+                    "(sqlite:///mlflow.db), or remove mlflow from output.report_to")
+    return None
+
+
+def _host(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    return urlsplit(url).hostname or url
+
+
+def _netrc_has(host: str, env) -> bool:
+    import netrc
+
+    path = env.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def unreachable(url: str, timeout: float = 3.0) -> str | None:
+    """Why nothing answers at `url`'s host and port (a TCP connect, nothing sent), or None."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "", port), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"does not answer ({e.strerror or type(e).__name__} connecting to {parts.hostname}:{port})"
 
 
 def accelerator_kwargs(report_to, run_dir: Path) -> dict:
