@@ -41,6 +41,26 @@ def fit(model, tok, system: list, history: list, template: str, max_new_tokens: 
             dropped += 1
 
 
+def _lines():
+    """The user's lines as text, until end of input or Ctrl-C; a line that is not UTF-8 is exit 2 naming it."""
+    if hasattr(sys.stdin, "reconfigure"):  # a byte that is not text is named by its line, not a traceback
+        sys.stdin.reconfigure(errors="surrogateescape")
+    tty = sys.stdin.isatty()
+    if tty:
+        print("chat: one message per line; /reset clears the history, /exit or Ctrl-D ends", file=sys.stderr)
+    number = 0
+    while True:
+        try:
+            line = input("you> " if tty else "")
+        except EOFError:
+            return
+        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the session like /exit, not with a traceback
+            print(file=sys.stderr)
+            return
+        number += 1
+        yield as_text(line, f"input line {number}")
+
+
 def run(args) -> int:
     import contextlib
 
@@ -66,22 +86,8 @@ def run(args) -> int:
         from transformers import set_seed
 
         set_seed(args.seed)
-    if hasattr(sys.stdin, "reconfigure"):  # a byte that is not text is named by its line below, not a traceback
-        sys.stdin.reconfigure(errors="surrogateescape")
-    tty, number = sys.stdin.isatty(), 0
-    if tty:
-        print("chat: one message per line; /reset clears the history, /exit or Ctrl-D ends", file=sys.stderr)
     history: list[dict] = []
-    while True:
-        try:
-            line = input("you> " if tty else "")
-        except EOFError:
-            break
-        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the session like /exit, not with a traceback
-            print(file=sys.stderr)
-            break
-        number += 1
-        line = as_text(line, f"input line {number}")
+    for line in _lines():
         text = line.strip()
         if text == "/exit":
             break
