@@ -104,3 +104,56 @@ def test_chat_names_the_input_line_that_is_not_utf8_and_decodes_utf8_bytes(run, 
     # UTF-8 bytes that a strict (ASCII) locale decoded as surrogates are text: decoded, not refused
     assert cli.main(["generate", str(run), "--prompt", "caf\udcc3\udca9", "--max-new-tokens", "2"]) == 0
     assert '"prompt": "caf\\u00e9"' in capsys.readouterr().out
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real file system of a chosen size (tmpfs; needs the right to mount, else the test is skipped): a
+    nearly full disk, whose writes fail with ENOSPC as a real one does."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+
+    def make(size_kib: int):
+        subprocess.run(["umount", str(mount)], capture_output=True)
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mount)],
+                           capture_output=True, text=True)
+        if p.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+        return mount
+
+    yield make
+    subprocess.run(["umount", str(mount)], capture_output=True)
+
+
+def test_merge_onto_a_nearly_full_disk_says_what_it_needs_and_leaves_nothing(tiny_run, small_disk, capsys):
+    import math
+
+    from safetensors import safe_open
+
+    from finetune.util import builtin
+
+    with safe_open(str(builtin.model_dir() / "model.safetensors"), "pt") as f:
+        weights = sum(math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys())  # merged in fp32
+    disk = small_disk(weights // 1024 + 16)  # room for the weights, not for the tokenizer after them
+    assert cli.main(["merge", str(tiny_run), "--output", str(disk / "m"), "--no-check", "--dtype", "fp32"]) == 1
+    err = _one_line(capsys, f"merge: writing {disk / 'm'} needs about", "free on the disk of", "nothing was written")
+    assert err.count("\n") == 1, err
+    assert list(disk.iterdir()) == []  # no output dir, no temporary
+
+
+def test_a_tokenizer_write_that_fills_the_disk_is_the_oserror_it_carries(tiny_run, small_disk):
+    """tokenizers reports a failed write as a bare `Exception: No space left on device (os error 28)`: the
+    merge's writer turns it into the OSError, which the merge reports in one line (no traceback)."""
+    import errno
+
+    import torch
+
+    from finetune.merge.source import resolve_source
+    from finetune.merge.stream import _write_extras
+
+    disk = small_disk(16)  # config files fit; tokenizer.json (14 kB), which tokenizers writes itself, does not
+    with pytest.raises(OSError) as e:
+        _write_extras(resolve_source(tiny_run), disk, torch.float32)
+    assert e.value.errno == errno.ENOSPC and str(disk) in str(e.value.filename), e.value
