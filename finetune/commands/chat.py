@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from finetune.commands.generate import add_model_arguments, check_arguments
+from finetune.commands.generate import add_model_arguments, as_text, check_arguments
 
 
 def register(sub) -> None:
@@ -26,20 +26,39 @@ def register(sub) -> None:
 
 def fit(model, tok, system: list, history: list, template: str, max_new_tokens: int) -> int:
     """Drop the oldest user/assistant pairs of `history` until system + history + the answer fit the model's
-    context; returns how many were dropped. RecipeError when the newest user turn alone does not fit."""
-    from finetune.train.inference import check_context
-    from finetune.util.errors import RecipeError
+    context; returns how many were dropped. ContextOverflow when the newest user turn alone does not fit."""
+    from finetune.train.inference import ContextOverflow, check_context
 
     dropped = 0
     while True:
         try:
             check_context(model, tok, [system + history], template, max_new_tokens)
             return dropped
-        except RecipeError:
+        except ContextOverflow:  # only this: a template that fails or loops is reported once, exit 2
             if len(history) < 3:  # only the new turn is left: it is the one too long
                 raise
             del history[:2]  # history is user, assistant, ..., user: keep it alternating
             dropped += 1
+
+
+def _lines():
+    """The user's lines as text, until end of input or Ctrl-C; a line that is not UTF-8 is exit 2 naming it."""
+    if hasattr(sys.stdin, "reconfigure"):  # a byte that is not text is named by its line, not a traceback
+        sys.stdin.reconfigure(errors="surrogateescape")
+    tty = sys.stdin.isatty()
+    if tty:
+        print("chat: one message per line; /reset clears the history, /exit or Ctrl-D ends", file=sys.stderr)
+    number = 0
+    while True:
+        try:
+            line = input("you> " if tty else "")
+        except EOFError:
+            return
+        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the session like /exit, not with a traceback
+            print(file=sys.stderr)
+            return
+        number += 1
+        yield as_text(line, f"input line {number}")
 
 
 def run(args) -> int:
@@ -50,13 +69,16 @@ def run(args) -> int:
     args.prompt = []  # generate's checks, which also look at its --prompt
     check_arguments(args)
     from finetune.data.encode import chat_template  # torch only after the arguments and the run dir passed
-    from finetune.train.inference import generate, load_run
+    from finetune.data.template import check_system
+    from finetune.train.inference import ContextOverflow, generate, load_run
 
     recipe, tok, model = load_run(args.run_dir, merged=args.merged)
     template = chat_template(recipe.data, tok) if recipe is not None else tok.chat_template
     if not template:
         raise RecipeError([f"chat: {args.run_dir}: the tokenizer has no chat template and the recipe sets no "
                            "data.chat_template; use `finetune generate --prompt` for plain text"])
+    if args.system:
+        check_system(tok, template)  # before the first line is read, not a traceback at every line
     mnt = args.max_new_tokens or (recipe.eval.max_new_tokens if recipe is not None else 64)
     system = [{"role": "system", "content": args.system}] if args.system else []
     sampling = {"temperature": args.temperature, "top_p": args.top_p} if args.temperature > 0 else None
@@ -64,18 +86,8 @@ def run(args) -> int:
         from transformers import set_seed
 
         set_seed(args.seed)
-    tty = sys.stdin.isatty()
-    if tty:
-        print("chat: one message per line; /reset clears the history, /exit or Ctrl-D ends", file=sys.stderr)
     history: list[dict] = []
-    while True:
-        try:
-            line = input("you> " if tty else "")
-        except EOFError:
-            break
-        except KeyboardInterrupt:  # Ctrl-C at the prompt ends the session like /exit, not with a traceback
-            print(file=sys.stderr)
-            break
+    for line in _lines():
         text = line.strip()
         if text == "/exit":
             break
@@ -88,7 +100,7 @@ def run(args) -> int:
         history.append({"role": "user", "content": line})
         try:
             dropped = fit(model, tok, system, history, template, mnt)
-        except RecipeError:  # this one message is too long: say so and let the session go on
+        except ContextOverflow:  # this one message is too long: say so and let the session go on
             history.pop()
             print(f"chat: this message and an answer of --max-new-tokens {mnt} do not fit the model's context of "
                   f"{model.config.max_position_embeddings} tokens; shorten it or lower --max-new-tokens",

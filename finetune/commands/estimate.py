@@ -46,6 +46,10 @@ def setup_from_args(a):
         data = rmod.apply_overrides({"model": {"name": a.model or "builtin:tiny-llama"}}, a.overrides)
         r = rmod.from_dict(data, "command line")
     s = from_recipe(r)
+    if a.recipe and a.device is None:
+        from finetune.plan.headers import planned_device
+
+        s = replace(s, device=planned_device(a.recipe) or s.device)  # a CPU recipe is planned as one
     updates = {"model": a.model, "gpus": a.gpus, "machines": a.machines, "seq_len": a.seq_len,
                "micro_batch": a.micro_batch, "lora_r": a.lora_r, "offload": a.offload,
                "checkpointing": a.checkpointing, "device": a.device}

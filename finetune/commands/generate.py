@@ -52,6 +52,28 @@ def add_model_arguments(p) -> None:
                        help="the merged model: RUN_DIR/merged (from `finetune merge`) or RUN_DIR itself")
 
 
+def as_text(value: str, what: str) -> str:
+    """`value` as text that can be tokenized. Python hands bytes that are not valid in the locale's encoding
+    over as lone surrogates (surrogateescape), which the tokenizer refuses with a TypeError: the bytes are
+    decoded as UTF-8 when they are UTF-8 (a strict C locale decoded them as ASCII: lossless), else exit 2
+    naming `what` and the first byte that is not UTF-8."""
+    import os
+
+    from finetune.util.errors import RecipeError
+
+    try:
+        value.encode("utf-8")
+        return value
+    except UnicodeEncodeError:
+        pass
+    raw = os.fsencode(value) if what.startswith("--") else value.encode("utf-8", "surrogateescape")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecipeError([f"{what}: not UTF-8 text (byte {raw[e.start]:#04x} at position {e.start}); give the "
+                           "text in UTF-8 (e.g. iconv -t UTF-8)"]) from None
+
+
 def check_arguments(args) -> None:
     """Every numeric argument in range, every prompt non-empty and the run dir a finished run's, before
     anything loads (exit 2); torch-free, so a refusal answers at once."""
@@ -71,6 +93,11 @@ def check_arguments(args) -> None:
     bad += [f"--prompt #{i + 1} is empty; give the text to continue" for i, p in enumerate(args.prompt) if not p.strip()]
     if bad:
         raise RecipeError(bad)
+    args.prompt = [as_text(p, f"--prompt #{i + 1}" if len(args.prompt) > 1 else "--prompt")
+                   for i, p in enumerate(args.prompt)]
+    for name in ("system", "instruction", "input"):  # chat has only --system
+        if getattr(args, name, None) is not None:
+            setattr(args, name, as_text(getattr(args, name), f"--{name}"))
     if not args.merged:
         from finetune.train.runcheck import checked_run
 
@@ -129,6 +156,10 @@ def run(args) -> int:
     # an instruction row is laid out as training laid it out: a user turn (encode.chat_layout) or raw text
     texts += [instruction_user(r) if chat else instruction_prompt(r) for r in rows]
     mnt = args.max_new_tokens or (recipe.eval.max_new_tokens if recipe is not None else 64)
+    if chat and args.system:
+        from finetune.data.template import check_system
+
+        check_system(tok, template)  # Gemma- and Mistral-style templates raise on a system turn
     system = [{"role": "system", "content": args.system}] if args.system else []
     prompts = [system + [{"role": "user", "content": t}] for t in texts] if chat else list(texts)
     if conversation is not None:

@@ -19,14 +19,15 @@ def register(sub) -> None:
 def run(a) -> int:
     from finetune.commands.common import at_least_one
     from finetune.recipe.lora_methods import describe_method
-    from finetune.train.preflight import here_problems, preflight, render
+    from finetune.train.preflight import here_problems, preflight, render, run_device
     from finetune.util.units import parse_size
 
     gpu_mem = parse_size(a.gpu_memory, "--gpu-memory") if a.gpu_memory else None
     cpu_mem = parse_size(a.cpu_memory, "--cpu-memory") if a.cpu_memory else None
     at_least_one(a, "gpus")
     r = load_recipe(a)  # schema and contract errors raise RecipeError (exit 2)
-    problems = preflight(r, a.gpus, gpu_mem, cpu_memory=cpu_mem)
+    device = run_device(r, a.recipe, gpu_mem)  # a CPU run's activations are checked against RAM
+    problems = preflight(r, a.gpus, gpu_mem, cpu_memory=cpu_mem, device=device)
     errors = sum(p.level == "error" for p in problems)
     if problems:
         print(render(problems))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 
 from finetune.data.formats import REASONING_KEYS, content_text, parse_json_field
+from finetune.data.template import apply
 
 IGNORE = -100
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
@@ -56,8 +57,8 @@ class Chat:
 
     def text(self, n: int, gen: bool = False) -> str:
         """The rendering of the first n messages (with the generation prompt: what inference sends)."""
-        return self.tok.apply_chat_template(self.msgs[:n], tools=self.tools, chat_template=self.template,
-                                            tokenize=False, add_generation_prompt=gen)
+        return apply(self.tok, self.template, conversation=self.msgs[:n], tools=self.tools, tokenize=False,
+                     add_generation_prompt=gen)
 
     def ids(self, text: str) -> list[int]:
         """Token ids as apply_chat_template(tokenize=True) makes them: the rendered text, no added specials."""
@@ -68,14 +69,14 @@ class Chat:
             return self.text(i, gen=True)
         # transformers renders no empty chat: an opening assistant turn's prompt is what the template writes
         # before a message's text
-        opening = self.tok.apply_chat_template([{"role": "assistant", "content": _SENTINEL}], tools=self.tools,
-                                               chat_template=self.template, tokenize=False)
+        opening = apply(self.tok, self.template, conversation=[{"role": "assistant", "content": _SENTINEL}],
+                        tools=self.tools, tokenize=False)
         return opening[: max(opening.find(_SENTINEL), 0)]
 
     def generation_mask(self, n: int, ids: list[int]) -> list[int]:
         """The template's own {% generation %} marks over the rendering of the first n messages."""
-        enc = self.tok.apply_chat_template(self.msgs[:n], tools=self.tools, chat_template=self.template,
-                                           tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        enc = apply(self.tok, self.template, conversation=self.msgs[:n], tools=self.tools, tokenize=True,
+                    return_dict=True, return_assistant_tokens_mask=True)
         if list(enc["input_ids"]) != ids:
             raise ValueError("the chat template's generation marks do not line up with its rendering")
         return list(enc["assistant_masks"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 from finetune.data.chat import IGNORE, chat_examples
 from finetune.data.formats import REASONING_KEYS, SHAREGPT_ROLES, detect_format
 from finetune.recipe import DataSpec
+from finetune.util.errors import RecipeError
 
 ENCODER_VERSION = 6  # part of the cache key: bump when encode() changes what it produces
 # Text is cut to max_seq_len x this many characters before it is tokenized (bounded time and memory per row,
@@ -144,15 +145,21 @@ def encode_pair(row: dict, tok, spec: DataSpec) -> dict:
 
 def render_chat(tok, messages: list[dict], template: str, gen: bool = False, tools: list | None = None) -> str:
     """The chat as training renders it (chat.normalize, the row's tools); with `gen`, followed by the
-    template's start of an assistant turn."""
-    from finetune.data.chat import normalize
-    from finetune.util.budget import limited
+    template's start of an assistant turn. The template is code from the tokenizer or the run dir
+    (data/template.py: bounded, its own faults TemplateRefused); one that refuses this conversation
+    is a RecipeError naming where it came from (exit 2), not a Jinja traceback."""
+    import jinja2
 
-    # The template is code from the tokenizer or the run dir: bounded, so one that loops is an error, not a hang.
-    with limited("the chat template", "fix the template (data.chat_template, or chat_template.jinja beside the "
-                 "tokenizer) or raise FINETUNE_TEMPLATE_SECONDS"):
-        return tok.apply_chat_template(normalize(messages), tools=tools, chat_template=template, tokenize=False,
-                                       add_generation_prompt=gen)
+    from finetune.data import template as T
+    from finetune.data.chat import normalize
+
+    try:
+        return T.apply(tok, template, conversation=normalize(messages), tools=tools, tokenize=False,
+                       add_generation_prompt=gen)
+    except jinja2.TemplateError as e:
+        said = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise RecipeError([f"{T.origin(tok, template)}: the chat template refuses this conversation ({said!r}); "
+                           "give the messages it expects, or set data.chat_template"]) from None
 
 
 def prompt_ids(tok, prompt, template: str | None = None) -> list[int]:

@@ -13,6 +13,31 @@ import re
 
 from finetune.util.errors import RecipeError
 
+# A value quoted in a message about a row that parsed as its declared format: escaped (ascii) and cut here, so
+# a message never carries a file's text at length or a control character to the terminal.
+EXCERPT = 40
+# What a field name looks like; anything else among a row's keys is a line of a file that is not a table.
+FIELD_NAME = re.compile(r"[A-Za-z_][\w .-]{0,63}")
+
+
+def excerpt(value) -> str:
+    """`value` quoted for a message: escaped (ascii()), at most EXCERPT characters, then '...'."""
+    text = ascii(value)
+    return text if len(text) <= EXCERPT else text[:EXCERPT] + "..."
+
+
+def field_names(row: dict) -> str:
+    """A row's keys for a message: the ones that look like field names, escaped; the rest only counted (the
+    header 'line' of a file that is not a CSV file is one key holding that line)."""
+    keys = sorted(k for k in row if k != "_where")
+    names = [k for k in keys if isinstance(k, str) and FIELD_NAME.fullmatch(k)]
+    shown = ", ".join(excerpt(k) for k in names[:8]) + (", ..." if len(names) > 8 else "")
+    others = len(keys) - len(names)
+    if not names:
+        return f"no field names ({others} key(s) that are not names)" if keys else "no fields"
+    return f"the fields [{shown}]" + (f" and {others} key(s) that are not names" if others else "")
+
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "model": "assistant", "system": "system", "tool": "tool"}
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
@@ -165,7 +190,7 @@ def _message(m, where: str, role_key: str, content_key: str, roles) -> str | Non
     if not isinstance(m, dict):
         return f"{where} must be an object, got {type(m).__name__}"
     if not isinstance(m.get(role_key), str) or m[role_key] not in roles:
-        return f"{where}.{role_key} must be one of {sorted(roles)}, got {m.get(role_key)!r}"
+        return f"{where}.{role_key} must be one of {sorted(roles)}, got {excerpt(m.get(role_key))}"
     role, calls = SHAREGPT_ROLES[m[role_key]], m.get("tool_calls")
     calls = calls if role == "assistant" and calls else None  # an empty list or null: no calls
     why = _content(m.get(content_key), f"{where}.{content_key}", optional=calls is not None)
@@ -204,7 +229,7 @@ def _token_list(row: dict, key: str, allow_ignore: bool) -> str | None:
     for i, t in enumerate(v):
         # Ids are cached as int32 (prepare._features): no vocabulary comes near 2**31.
         if type(t) is not int or t >= 1 << 31 or (t < 0 and not (allow_ignore and t == -100)):
-            return f"{key}[{i}] must be a token id (an integer >= 0{' or -100' if allow_ignore else ''}), got {t!r}"
+            return f"{key}[{i}] must be a token id (an integer >= 0{' or -100' if allow_ignore else ''}), got {excerpt(t)}"
     return None
 
 

@@ -234,16 +234,23 @@ READERS = {".jsonl": read_jsonl, ".ndjson": read_jsonl, ".json": read_json, ".cs
 SUFFIXES = tuple(READERS)  # (".jsonl", ".ndjson", ".json", ".csv", ".parquet"), in the order messages list them
 
 
+def described(path: Path) -> str:
+    """`path`, and where it leads when it is a symbolic link (read by its own name's suffix, not the target's)."""
+    import os
+
+    return f"{path} (a symbolic link to {os.path.realpath(path)})" if os.path.islink(path) else str(path)
+
+
 def read_file(path: Path, bad: BadRows) -> Iterator[dict]:
     try:
         with open(path, "rb") as f:
             head = f.read(4)
     except OSError as e:
-        raise RecipeError([f"data: cannot read {path}: {e.strerror}"]) from None
+        raise RecipeError([f"data: cannot read {described(path)}: {e.strerror}"]) from None
     if not head:
-        raise RecipeError([f"data: {path} is empty"])
+        raise RecipeError([f"data: {described(path)} is empty"])
     if head.startswith((b"\xff\xfe", b"\xfe\xff")):  # a UTF-16 byte-order mark
-        raise RecipeError([f"data: {path} is UTF-16 text; re-encode it as UTF-8 "
+        raise RecipeError([f"data: {described(path)} is UTF-16 text; re-encode it as UTF-8 "
                            f"(e.g. iconv -f UTF-16 -t UTF-8)"])
     yield from READERS[path.suffix.lower()](path, bad)
 

@@ -7,10 +7,11 @@ the cache, unknown builtin) are always RecipeErrors.
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 from typing import Iterator
 
-from finetune.data.formats import BadRows, check_row, detect_format
+from finetune.data.formats import BadRows, check_row, detect_format, field_names
 from finetune.data.readers import SUFFIXES, read_file, read_jsonl
 from finetune.recipe import DataSource
 from finetune.util.builtin import builtin_dir
@@ -152,6 +153,16 @@ def read_source(src: DataSource, bad: BadRows, label: str, vocab_size: int | Non
     return fmt, rows
 
 
+def _described(where: str) -> str:
+    """A row's place (file:line, file row N), with where its file leads when that is a symbolic link."""
+    import re
+
+    path = re.sub(r"(:\d+| row \d+)$", "", where)
+    if not Path(path).is_symlink():
+        return where
+    return f"{where} ({path} is a symbolic link to {os.path.realpath(path)}, read as {Path(path).suffix} for its name)"
+
+
 def checked_rows(src: DataSource, bad: BadRows, label: str, vocab_size: int | None = None) -> Iterator[tuple[str, dict]]:
     """read_source one row at a time, as (format, row): a caller that keeps each row compactly never holds
     them all as dicts (2 million short rows are about 1 GB of dicts)."""
@@ -164,11 +175,10 @@ def checked_rows(src: DataSource, bad: BadRows, label: str, vocab_size: int | No
             row = {rename.get(k, k): v for k, v in row.items()}
         if fmt == "auto":
             fmt = detect_format(row)
-            if fmt is None:
-                keys = sorted(k for k in row if k != "_where")
-                raise RecipeError([f"{label}: cannot tell the format of {row['_where']} from its fields {keys}; "
-                                   f"set {label}.format (text, prompt_completion, instruction, messages, "
-                                   f"sharegpt, tokens) and map names with {label}.fields"])
+            if fmt is None:  # never the row itself: from a file of another kind its "fields" are its text
+                raise RecipeError([f"{label}: cannot tell the format of {_described(row['_where'])}: its first row "
+                                   f"has {field_names(row)}; set {label}.format (text, prompt_completion, "
+                                   f"instruction, messages, sharegpt, tokens) and map names with {label}.fields"])
         why = check_row(row, fmt)
         if why:
             bad.add(row["_where"], f"{why} (format {fmt})")

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from finetune.data.encode import render_chat
+from finetune.data.template import TemplateRefused
 from finetune.util.errors import RecipeError
 
 HEADER = "# Ollama Modelfile for "  # what export's Modelfiles start with: the only files it replaces
@@ -39,6 +40,8 @@ def _pieces(tok, template: str) -> tuple[str, dict, str]:
         full = render_chat(tok, msgs, template, gen=True)
         # what comes before the first message (a BOS, say): a chat of one user turn, less the user prefix
         first = render_chat(tok, [{"role": "user", "content": "\x000\x00"}], template).partition("\x000\x00")[0]
+    except TemplateRefused:  # the sandbox refused it or it loops: an error, not a shape (export checks it first)
+        raise
     except Exception as e:  # noqa: BLE001 - any template error means "not this shape"
         raise Untranslatable(f"it does not render a system, user, assistant conversation ({type(e).__name__}: "
                              f"{str(e)[:80]})") from None
@@ -129,3 +132,21 @@ def write_modelfile(gguf: Path, run_dir: Path, model_dir: Path) -> Path:
                            "is not (move that file, or choose another --output)"], "export")
     write_text(path, modelfile_text(gguf, tok, template, stops))
     return path
+
+
+def check_template(run_dir: Path, model_dir: Path | None) -> None:
+    """Before export writes anything (a merge, the GGUF): the chat template the Modelfile will be made from
+    (`model_dir`'s tokenizer for --merged, else the run's adapter's, which merge copies) must be one the
+    sandbox runs and that ends (data/template.check: exit 2 naming its file)."""
+    from transformers import AutoTokenizer
+
+    from finetune.data.encode import chat_template
+    from finetune.data.template import check
+    from finetune.recipe.rundir import read_recipe
+
+    src = model_dir or run_dir / "adapter"
+    if not any((src / name).is_file() for name in ("tokenizer_config.json", "tokenizer.json")):
+        return  # the merge's tokenizer check reports a missing one
+    tok = AutoTokenizer.from_pretrained(str(src))
+    check(tok, chat_template(read_recipe(run_dir).data, tok) if (run_dir / "recipe.yaml").is_file()
+          else tok.chat_template)

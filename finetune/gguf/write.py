@@ -105,6 +105,20 @@ def _refuse_expert_adapters(adapter_dir: Path) -> None:
                            "--adapter-only), which holds the expert adapters folded in"], "export")
 
 
+def _check_inputs(run_dir: Path, adapter_only: bool, merged: str | None) -> None:
+    """What export reads, refused before anything is written (exit 2): a damaged adapter (empty or truncated
+    adapter_config.json or safetensors), and a chat template the sandbox refuses or that loops."""
+    from finetune.gguf.modelfile import check_template
+    from finetune.util.untrusted import adapter_problem
+
+    reads_adapter = adapter_only or not (merged or (run_dir / "merged" / "merge_info.json").is_file())
+    why = adapter_problem(run_dir / "adapter") if reads_adapter else None
+    if why:
+        raise RecipeError([why], "export")
+    if not adapter_only:  # only the merged GGUF gets a Modelfile made from the template
+        check_template(run_dir, _merged_dir(run_dir, merged) if merged else None)
+
+
 def default_output(run_dir: Path, outtype: str, adapter_only: bool) -> Path:
     return run_dir / "gguf" / f"{'adapter' if adapter_only else 'model'}-{outtype}.gguf"
 
@@ -205,6 +219,7 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
     conv = converter.require()
     if not (run_dir / "adapter" / "adapter_config.json").is_file() and not (merged and not adapter_only):
         raise RecipeError([f"{run_dir} is not a run dir (no adapter/adapter_config.json)"], "export")
+    _check_inputs(run_dir, adapter_only, merged)
     refuse_planted(run_dir, out)
     refuse_foreign_output(out, force)
     clean_stale(out, "export")  # the hidden full-size temporary of an export killed mid-write

@@ -52,7 +52,37 @@ def up_to_date(out: Path, fp: dict, force: bool) -> bool:
     raise RecipeError([f"output {out} holds a different merge; pass --force to replace it"], "merge")
 
 
-def write_error(e: OSError, out: Path) -> OutputWriteError:
+def write_error(e: OSError, out: Path, need: int | None = None) -> OutputWriteError:
+    """The one line of a failed write, as training words its full disk: what failed, that nothing partial was
+    kept and, when known, how much space the merge needs."""
+    from finetune.util.units import fmt
+
     where = e.filename or out
+    room = f"; the merge needs about {fmt(need)} free on that disk" if need else ""
     return OutputWriteError(e.errno, f"merge: writing {out} failed: {reason(e)} ({where}); nothing was written "
-                                     f"to {out} (what it held before is intact) and the temporary files were removed")
+                                     f"to {out} (what it held before is intact) and the temporary files were "
+                                     f"removed{room}")
+
+
+# Beyond the weights: config, tokenizer, model card and merge_info.json, and the file system's own blocks.
+SMALL_FILES_MARGIN = 1 << 20
+
+
+def space_problem(out: Path, need: int, disk_usage=None) -> OutputWriteError | None:
+    """Too little free space where `out`'s temporary sibling is written (beside it, while the old output
+    stays): the error to raise before anything is written, or None."""
+    import errno
+    import shutil
+
+    from finetune.plan.disk import existing_ancestor
+    from finetune.util.units import fmt
+
+    base, _ = existing_ancestor(out.parent)
+    if base is None:
+        return None  # not creatable: the write reports it
+    free = (disk_usage or shutil.disk_usage)(base).free
+    if need <= free:
+        return None
+    return OutputWriteError(errno.ENOSPC, f"merge: writing {out} needs about {fmt(need)}, {fmt(free)} free on the "
+                                          f"disk of {base}; nothing was written (what {out} held before is intact). "
+                                          "Free space, or choose an --output on a larger disk")

@@ -40,14 +40,14 @@ def resolve_source(path: str | os.PathLike) -> Source:
     else:
         raise RecipeError([f"{p} is neither a run dir (recipe.yaml + adapter/) nor a PEFT adapter dir "
                            "(adapter_config.json)"], "merge")
+    damaged = adapter_problem(adapter_dir)  # empty or truncated config or weights: one line, not a traceback
+    if damaged:
+        raise RecipeError([damaged])
     try:
         cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     except (OSError, ValueError) as e:
         raise RecipeError([f"cannot read adapter_config.json: {e}"], str(adapter_dir)) from None
     problems = adapter_problems(cfg)
-    damaged = adapter_problem(adapter_dir)  # empty or truncated: one line, not safetensors' traceback
-    if damaged:
-        raise RecipeError([damaged])
     if problems:
         raise RecipeError(problems, str(adapter_dir / "adapter_config.json"))
     recipe = None

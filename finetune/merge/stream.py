@@ -16,15 +16,14 @@ replaced, permissions, leftovers and write errors are `finetune.merge.output`'s.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
 from finetune.merge import experts
-from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, magnitude_keys, merged_tensor, pair_keys,
-                                 plan_shards, scaling, shard_names)
-from finetune.merge.output import output_dir, up_to_date, write_error
+from finetune.merge.plan import (OUT_DTYPES, TensorInfo, lora_delta, magnitude_keys, merged_tensor, out_nbytes,
+                                 pair_keys, plan_shards, scaling, shard_names)
+from finetune.merge.output import SMALL_FILES_MARGIN, output_dir, space_problem, up_to_date, write_error
 from finetune.util.sibling import apply_umask, carried_oserror, clean_stale, temp_dir
 from finetune.merge.source import Source, base_tensors, four_bit_weights, quant_spec, resolve_source
 from finetune.artefacts.tokenizer import save_tokenizer
@@ -173,14 +172,20 @@ def _write_extras(src: Source, tmp: Path, out_dtype: torch.dtype) -> None:
     cfg["dtype"] = recipe_name(out_dtype)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if (src.base_dir / "generation_config.json").is_file():
-        shutil.copyfile(src.base_dir / "generation_config.json", tmp / "generation_config.json")
+        (tmp / "generation_config.json").write_bytes((src.base_dir / "generation_config.json").read_bytes())
     try:
-        save_tokenizer(AutoTokenizer.from_pretrained(tokenizer_dir(src)), tmp)  # portable form (artefacts/)
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir(src))
     except (ValueError, OSError) as e:
-        if isinstance(e, OSError) and e.errno is not None:
-            raise  # a failed write into tmp
         raise RecipeError([f"cannot load the tokenizer in {tokenizer_dir(src)}: {str(e).splitlines()[0]}"],
                           "merge") from None
+    try:
+        save_tokenizer(tok, tmp)  # portable form (artefacts/)
+    except Exception as e:  # noqa: BLE001 - tokenizers reports a failed write as a bare Exception ("os error 28")
+        carried = OSError(e.errno, e.strerror, e.filename or str(tmp)) if isinstance(e, OSError) \
+            else carried_oserror(e, tmp / "tokenizer.json")  # (a failed close names no file: the dir it was in)
+        if carried is None:
+            raise
+        raise carried from None
 
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
@@ -235,6 +240,14 @@ def _write_output(src: Source, tmp: Path, out: Path, target: str, dtype: str, ma
     return stats
 
 
+def planned_bytes(src: Source, dtype: str) -> int:
+    """What a merge writes: every base tensor in the output dtype, the tokenizer's files and the small ones."""
+    weights = sum(out_nbytes(t, torch_dtype(dtype)) for t in base_tensors(src.base_dir))
+    tokenizer = sum(f.stat().st_size for f in tokenizer_dir(src).iterdir()
+                    if f.is_file() and f.suffix != ".safetensors")
+    return weights + tokenizer + SMALL_FILES_MARGIN
+
+
 def merge(source, output=None, target: str = "original", dtype: str = "bf16", max_shard_size="5GB",
           force: bool = False, check: bool = True) -> Path:
     """Merge the adapter of `source` (run dir or PEFT adapter dir) into its base; returns the output dir."""
@@ -246,6 +259,10 @@ def merge(source, output=None, target: str = "original", dtype: str = "bf16", ma
     if up_to_date(out, fp, force):
         log.info(f"merge: {out} is up to date (same adapter, base and settings); nothing to do")
         return out
+    need = planned_bytes(src, dtype)
+    full = space_problem(out, need)
+    if full:
+        raise full
     try:
         clean_stale(out, "merge")
         with temp_dir(out) as tmp:
@@ -253,7 +270,7 @@ def merge(source, output=None, target: str = "original", dtype: str = "bf16", ma
             apply_umask(tmp)
             replace_dir(tmp, out)  # at every instant `out` is the old complete output or the new one
     except OSError as e:  # read-only output, disk full, quota: one line, nothing partial left
-        raise write_error(e, out) from None
+        raise write_error(e, out, need) from None
     log.info(f"merge: wrote {stats['shards']} shard(s), {stats['bytes'] / 1e6:.1f} MB, "
              f"{stats['merged_weights']} merged weights -> {out}")
     return out

@@ -375,7 +375,8 @@ def render(p: Plan) -> str:
              f"  {s.world} process(es) on {s.machines} machine(s), strategy {s.strategy}"
              + (f" (FSDP{s.fsdp_version}{', cpu offload' if s.offload else ''})" if s.strategy == "fsdp" else "")
              + f", micro-batch {s.micro_batch} x seq {s.seq_len}, checkpointing {'on' if s.checkpointing else 'off'}",
-             f"GPU memory per device: {fmt(p.gpu_bytes_per_device)}"]
+             f"GPU memory per device: {fmt(p.gpu_bytes_per_device)}" if s.device == "cuda" else
+             f"memory per process (a CPU run: in RAM, counted in the CPU RAM below): {fmt(p.gpu_bytes_per_device)}"]
     shown = {k: v for k, v in p.breakdown.items() if k != "framework_overhead" and (v or k != "dora_workspace")}
     lines += [f"  {k:<20} {fmt(v):>12}" for k, v in shown.items()]
     if s.device == "cuda":

@@ -34,6 +34,16 @@ def _gpu_size(text: str) -> tuple[str, int | None]:
     return "cuda", parse_size(m.group(2), "planned for")
 
 
+def planned_device(path) -> str | None:
+    """"cpu" or "cuda" as the recipe file's plan header says it was planned (`# planned for: 1 x cpu`), None
+    for a recipe without one."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return None
+    return _gpu_size(text)[0] if PLANNED_FOR.search(text) else None
+
+
 def plan_block(path: str | Path, text: str | None = None) -> list[str]:
     path = Path(path)
     text = path.read_text() if text is None else text

@@ -15,6 +15,7 @@ import torch
 
 from finetune.data import batching, encode
 from finetune.data.prepare import prepare
+from finetune.data.template import check as check_template
 from finetune.plan.archs import vocab_size
 from finetune.recipe.rundir import read_recipe
 from finetune.data.transfer import model_device, to_model_device
@@ -37,6 +38,7 @@ def load_run(run_dir: Path, merged: bool = False):
     recipe = checked_run(run_dir)
     adapter = run_dir / "adapter"
     tok = load_tokenizer(recipe.model, path=str(adapter))
+    check_template(tok, encode.chat_template(recipe.data, tok))  # a hostile or looping template: now, not mid-run
     base = load_model(recipe.model, recipe.quantization, quiet=True)
     with quiet_peft_wrap():
         model = PeftModel.from_pretrained(base, str(adapter))
@@ -63,6 +65,7 @@ def load_merged(path: Path):
     if why or bad:
         raise RecipeError([why] if why else bad)
     tok = AutoTokenizer.from_pretrained(str(model_dir))
+    check_template(tok, encode.chat_template(recipe.data, tok) if recipe is not None else tok.chat_template)
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype="auto", use_safetensors=True)
     model.eval()
     return recipe, tok, model
@@ -127,6 +130,10 @@ def stop_ids(tok, template: str | None) -> list[int]:
     return ids
 
 
+class ContextOverflow(RecipeError):
+    """A prompt and its answer do not fit the model's context (chat drops old turns on this one alone)."""
+
+
 def check_context(model, tok, prompts: list, template: str | None, max_new_tokens: int) -> None:
     """Each prompt plus `max_new_tokens` must fit the model's context (max_position_embeddings): past it the
     positions have no trained meaning, and a huge --max-new-tokens would run for hours (exit 2)."""
@@ -136,7 +143,7 @@ def check_context(model, tok, prompts: list, template: str | None, max_new_token
     longest = max(len(encode.prompt_ids(tok, p, template)) for p in prompts)
     if longest + max_new_tokens > context:
         which = "--prompt" if longest >= context else "--max-new-tokens"
-        raise RecipeError([f"{which}: the longest prompt has {longest} tokens and --max-new-tokens is {max_new_tokens}"
+        raise ContextOverflow([f"{which}: the longest prompt has {longest} tokens and --max-new-tokens is {max_new_tokens}"
                            f", more than the model's context of {context} tokens; shorten the prompt or give "
                            f"--max-new-tokens at most {max(context - longest, 0)}"])
 

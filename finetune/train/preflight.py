@@ -248,8 +248,37 @@ def _fit_fixes(s: E.Setup, arch, budget: int) -> str:
     return "; or ".join(fixes) if fixes else "use GPUs with more memory"
 
 
-def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, cpu_memory: int | None) -> list[Problem]:
-    s = E.from_recipe(r)
+def machine_ram() -> int | None:
+    """This machine's physical RAM in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def run_device(r: Recipe, path=None, gpu_memory: int | None = None, env=None) -> str:
+    """"cpu" when the run is one of CPU processes, whose activations and working set live in RAM: its recipe's
+    plan header says so (`planned for: 1 x cpu`), or no GPU memory is given, no GPU is installed here and the
+    model is small enough to train on a CPU (here_problems' rule); else "cuda"."""
+    from finetune.plan.archs import resolve
+    from finetune.plan.headers import planned_device
+
+    env = os.environ if env is None else env
+    declared = planned_device(path) if path else None
+    if declared or gpu_memory or gpu_nodes_present():
+        return declared or "cuda"
+    try:
+        params = resolve(r.model.name)[0].params()
+    except (ValueError, OSError):
+        return "cuda"
+    return "cpu" if params <= CPU_PARAMS_LIMIT or env.get(ALLOW_CPU) == "1" else "cuda"
+
+
+def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, cpu_memory: int | None,
+                    device: str = "cuda") -> list[Problem]:
+    s = replace(E.from_recipe(r), device=device)
+    if device == "cpu":  # the RAM is the device: the machine's, unless --cpu-memory says otherwise
+        gpu_memory, cpu_memory = None, cpu_memory or machine_ram()
     if gpus:
         s = replace(s, gpus=gpus)
         if gpus > 1 and s.strategy == "single":
@@ -271,10 +300,15 @@ def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, c
                                "GPUs with more memory"))
     if cpu_memory and plan.cpu_bytes_peak > cpu_memory:
         phase = max(plan.cpu, key=plan.cpu.get)
-        out.append(Problem(level="error", path="model.name" if phase == "loading" else
-                           "fsdp.cpu_offload", message=f"planned {fmt(plan.cpu_bytes_peak)} of CPU RAM while {phase} "
-                           f"does not fit in {fmt(cpu_memory)}: short by {fmt(plan.cpu_bytes_peak - cpu_memory)}",
-                           fix=_cpu_fix(r, phase)))
+        cpu_steps = device == "cpu" and phase == "training"  # activations of micro-batch x seq_len in RAM
+        out.append(Problem(level="error", path="model.name" if phase == "loading" else "train.micro_batch_size"
+                           if cpu_steps else "fsdp.cpu_offload", message=f"planned {fmt(plan.cpu_bytes_peak)} of CPU "
+                           f"RAM while {phase}" + (f" (a CPU run: micro-batch {s.micro_batch} x {s.seq_len} tokens)"
+                                                   if cpu_steps else "")
+                           + f" does not fit in {fmt(cpu_memory)}: short by {fmt(plan.cpu_bytes_peak - cpu_memory)}",
+                           fix="lower train.micro_batch_size (raise train.gradient_accumulation_steps to keep the batch) or "
+                               "data.max_seq_len, or set model.gradient_checkpointing: true" if cpu_steps
+                           else _cpu_fix(r, phase)))
     return out
 
 
@@ -292,7 +326,7 @@ def _cpu_fix(recipe: Recipe, phase: str) -> str:
 
 
 def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = None, *, env=None,
-              launched: bool | None = None, cpu_memory: int | None = None) -> list[Problem]:
+              launched: bool | None = None, cpu_memory: int | None = None, device: str = "cuda") -> list[Problem]:
     """Every problem with this recipe here and now: contract, model shapes, launcher environment, GPUs,
     memory fit. `gpus` is the total process count (default: the recipe's, or the launcher's); `gpu_memory`
     the bytes of one GPU (default: the visible GPU's when launched). Errors first."""
@@ -312,7 +346,7 @@ def preflight(recipe: Recipe, gpus: int | None = None, gpu_memory: int | None = 
     if recipe.train.kernels != "none":  # the family from the shapes, the GPU from the machine
         out += kernel_problems(recipe.train.kernels, getattr(arch, "model_type", None), cuda_facts()[0])
     if arch is not None:
-        out += memory_problems(recipe, arch, gpus, gpu_memory, cpu_memory)
+        out += memory_problems(recipe, arch, gpus, gpu_memory, cpu_memory, device)
     # Unwritable output or too little disk for the checkpoints: found now, not at the first save hours in.
     out += output_problems(recipe, arch, gpus or recipe.distributed.num_processes or 1)
     return sorted(out, key=lambda p: p.level != "error")

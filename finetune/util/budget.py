@@ -27,8 +27,8 @@ def seconds() -> float:
 
 
 @contextlib.contextmanager
-def limited(what: str, fix: str):
-    """Run the block within `seconds()`; past it, RecipeError naming `what` and `fix` (exit 2)."""
+def limited(what: str, fix: str, error: type = RecipeError):
+    """Run the block within `seconds()`; past it, `error` (a RecipeError: exit 2) naming `what` and `fix`."""
     if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
         yield
         return
@@ -41,7 +41,7 @@ def limited(what: str, fix: str):
     try:
         yield
     except _Expired:
-        raise RecipeError([f"{what}: did not finish within {seconds():g} s (a loop that never ends?); {fix}"]) from None
+        raise error([f"{what}: did not finish within {seconds():g} s (a loop that never ends?); {fix}"]) from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

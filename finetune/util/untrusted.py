@@ -71,10 +71,28 @@ def weights_only_problem(path: Path) -> str | None:
     return None
 
 
+def json_object_problem(path: Path) -> str | None:
+    """Why `path` is not a JSON object (missing, empty, truncated, not UTF-8, another JSON value), or None."""
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"cannot be read ({e.strerror})"
+    except (ValueError, UnicodeDecodeError) as e:
+        empty = isinstance(e, json.JSONDecodeError) and not e.doc.strip()
+        return "empty" if empty else "not valid JSON (truncated or damaged)"
+    return None if isinstance(value, dict) else f"holds a JSON {type(value).__name__}, not an object (damaged)"
+
+
 def adapter_problem(adapter_dir: Path) -> str | None:
-    """One line naming the adapter file that cannot be used and the fix, or None."""
-    f = Path(adapter_dir) / "adapter_model.safetensors"
-    why = safetensors_problem(f)
+    """One line naming the adapter file that cannot be used (adapter_config.json, then the weights) and the
+    fix, or None."""
+    cfg = Path(adapter_dir) / "adapter_config.json"
+    why, f = json_object_problem(cfg), cfg
+    if why is None:
+        f = Path(adapter_dir) / "adapter_model.safetensors"
+        why = safetensors_problem(f)
     if why is None:
         return None
     return (f"{f}: {why}; the adapter is damaged: restore it from the newest checkpoint "

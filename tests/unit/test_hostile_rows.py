@@ -117,3 +117,41 @@ def test_a_huge_row_is_cut_before_it_is_tokenized_with_the_same_result(tok, row)
     whole = E.encode(row, "auto", tok, DataSpec(max_seq_len=10**9, chat_template="chatml"))
     assert got["input_ids"][:64] == whole["input_ids"][:64] and got["labels"][:64] == whole["labels"][:64]
     assert len(got["input_ids"]) > 64 and len(whole["input_ids"]) > 64
+
+
+SYSTEM_FILE = "root:x:0:0:secret-line-of-a-system-file:/root:/bin/bash\ndaemon:x:1:1::/usr/sbin:/nologin\n"
+
+
+def test_a_data_link_to_a_file_of_another_kind_is_named_never_echoed(tmp_path, capsys):
+    """A .csv that is a link to a system file: exit 2 naming the link and where it leads, and not one line
+    of the file in the message (its "header" is its first line)."""
+    from finetune import cli
+
+    target = tmp_path / "passwd"
+    target.write_text(SYSTEM_FILE)
+    (tmp_path / "rows.csv").symlink_to(target)
+    assert cli.main(["data", "recipes/tiny_cpu.yaml", f"data.sources=[{{path: {tmp_path / 'rows.csv'}}}]",
+                     "data.eval_sources=[]"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "secret-line" not in err and "root:x" not in err, err
+    assert f"{tmp_path / 'rows.csv'} is a symbolic link to {target}" in err and "no field names" in err, err
+
+
+def test_values_quoted_from_rows_are_escaped_and_bounded(tmp_path):
+    """Where a file did parse as its declared format, a quoted value is an escaped excerpt: no terminal
+    control character, no kilobytes of text."""
+    from finetune.data import sources as S
+    from finetune.data.formats import BadRows
+
+    role = "\x1b[2J" + "x" * 5000
+    p = tmp_path / "chat.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": role, "content": "hi"}]}) + "\n"
+                 + json.dumps({"\x1b]0;title\x07": "a", "weird key " * 20: "b"}) + "\n")
+    with pytest.raises(RecipeError) as e:
+        S.read_source(DataSource(path=str(p), format="messages"), BadRows("error"), "data.sources[0]")
+    text = str(e.value)
+    assert "\x1b" not in text and "x" * 100 not in text and "\\x1b[2Jxxx" in text, text
+    with pytest.raises(RecipeError) as e:  # the second row alone, format auto: its keys are not names
+        p.write_text(json.dumps({"\x1b]0;title\x07": "a", "weird key " * 20: "b"}) + "\n")
+        S.read_source(DataSource(path=str(p)), BadRows("error"), "data.sources[0]")
+    assert "\x1b" not in str(e.value) and "weird key" not in str(e.value) and "no field names (2 key(s)" in str(e.value)
