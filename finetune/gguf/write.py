@@ -219,9 +219,9 @@ def export_gguf(run_dir, outtype: str = "f16", adapter_only: bool = False, outpu
     conv = converter.require()
     if not (run_dir / "adapter" / "adapter_config.json").is_file() and not (merged and not adapter_only):
         raise RecipeError([f"{run_dir} is not a run dir (no adapter/adapter_config.json)"], "export")
-    _check_inputs(run_dir, adapter_only, merged)
     refuse_planted(run_dir, out)
     refuse_foreign_output(out, force)
+    _check_inputs(run_dir, adapter_only, merged)
     clean_stale(out, "export")  # the hidden full-size temporary of an export killed mid-write
     with temp_file(out) as tmp:
         sources, config, converted, scales = _convert(run_dir, outtype, adapter_only, merged, tmp)

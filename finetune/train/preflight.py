@@ -19,6 +19,7 @@ from finetune.plan import estimate as E
 from finetune.plan.disk import output_problems
 from finetune.plan.launcher import launcher_problems
 from finetune.recipe import Recipe, contract_problems
+from finetune.recipe.init_adapter import init_adapter_problems
 from finetune.train.kernels import kernel_problems
 from finetune.train.keepers.trackers import tracker_problems
 from finetune.util.errors import Problem
@@ -109,44 +110,6 @@ def expert_problems(r: Recipe, arch) -> list[Problem]:
                                 "expert parameter) cannot apply dropout", fix="set lora.dropout: 0, or "
                                 "lora.target_parameters: [] to leave the experts frozen")]
     return []
-
-
-def init_adapter_problems(r: Recipe) -> list[Problem]:
-    """lora.init_adapter, read before any weights load: the directory with a PEFT config and a sound safetensors
-    file, of this section's rank and DoRA setting (every weight is loaded: another rank was a size-mismatch
-    traceback after the model had loaded)."""
-    import json
-
-    from finetune.util.untrusted import adapter_problem
-
-    start = r.lora.init_adapter
-    if not start:
-        return []
-    cfg_path = Path(start) / "adapter_config.json"
-
-    def bad(message: str, fix: str) -> list[Problem]:
-        return [Problem(level="error", path="lora.init_adapter", message=message, fix=fix)]
-
-    if not cfg_path.is_file():
-        return bad(f"{start} is not an adapter directory (no {cfg_path.name})" if Path(start).exists()
-                   else f"{start} does not exist", "name an earlier run's RUN_DIR/adapter, or null for fresh adapters")
-    try:
-        cfg = json.loads(cfg_path.read_bytes())
-    except (OSError, ValueError) as e:
-        return bad(f"{cfg_path} cannot be read as JSON ({type(e).__name__})", "restore it from the run it came from")
-    if not isinstance(cfg, dict):
-        return bad(f"{cfg_path} is not a PEFT adapter config", "restore it from the run it came from")
-    why = adapter_problem(Path(start))
-    if why:
-        return bad(why, "name an adapter that is whole")
-    out = []
-    if cfg.get("r") != r.lora.r:
-        out += bad(f"{start} has rank {cfg.get('r')!r}, lora.r is {r.lora.r}", f"set lora.r: {cfg.get('r')} (the "
-                   "adapter's), or start from fresh adapters (lora.init_adapter: null)")
-    if bool(cfg.get("use_dora")) != r.lora.use_dora:
-        out += bad(f"{start} was {'' if cfg.get('use_dora') else 'not '}trained with DoRA, lora.use_dora is "
-                   f"{str(r.lora.use_dora).lower()}", f"set lora.use_dora: {str(bool(cfg.get('use_dora'))).lower()}")
-    return out
 
 
 def code_problems(r: Recipe) -> list[Problem]:
