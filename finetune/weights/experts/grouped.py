@@ -24,15 +24,17 @@ ENV = "FINETUNE_MOE_EXPERTS"
 
 def usable(experts, x: torch.Tensor, factors: dict) -> bool:
     """Whether this call runs grouped; the per-expert loop runs instead where the reference was asked for,
-    where torch has no public grouped_mm (before 2.10), where an expert's weight is not whole blocks (one
-    dequantization could not cover them all), or where an operand row is not a multiple of 16 bytes in
-    the compute dtype (grouped GEMM's stride rule, on CPU as on CUDA)."""
+    where torch has no public grouped_mm (before 2.10), where a weight's rows are not whole quantization
+    blocks, or where an operand row is not a multiple of 16 bytes in the compute dtype (grouped GEMM's
+    stride rule, on CPU as on CUDA). Whole-block rows: bitsandbytes 0.50's CPU dequantize_4bit indexes a
+    row shorter than a block as if each row began a block, so one call over the stacked experts would not
+    give back what the per-expert call gives (only tiny test widths have such rows)."""
     if os.environ.get(ENV, "grouped") == "per_expert" or not hasattr(F, "grouped_mm"):
         return False
     size = torch.empty((), dtype=compute_dtype(x)).element_size()
     widths = [w for (_, rows, cols) in experts.shapes.values() for w in (rows, cols)]
     widths += [lhs.shape[-1] for lhs, _, _ in factors.values()]  # the LoRA rank
-    blocks = all(rows * cols % experts.q["blocksize"] == 0 for (_, rows, cols) in experts.shapes.values())
+    blocks = all(cols % experts.q["blocksize"] == 0 for (_, _, cols) in experts.shapes.values())
     return blocks and all(w * size % 16 == 0 for w in widths)
 
 
