@@ -141,3 +141,32 @@ def test_backward_dequantizes_again_and_keeps_no_dequantized_layer(wide, monkeyp
     assert sorted(forward) == sorted(calls[len(forward):]) == ["down_proj"] * 2 + ["gate_up_proj"] * 2, calls
     assert saved and max(saved) < layer, (max(saved), layer)
     wide.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("ck", [False, True], ids=["plain", "checkpointed"])
+def test_the_plans_activations_hold_for_the_grouped_layout(wide, monkeypatch, ck):
+    """plan/activations.py against the bytes autograd saves in one grouped forward (saved-tensor hooks,
+    benchmarks/cpu/memcheck.py), within 15%: the routed rows' indices, the gathered inputs the adapters
+    keep, the activation's inputs, the weighted outputs; no dequantized weight (test above)."""
+    from benchmarks.cpu import memcheck
+    from finetune.plan import estimate as E
+    from finetune.plan.archs import from_config
+    from finetune.train import lean
+    from finetune.weights.experts import grouped
+
+    monkeypatch.setenv(grouped.ENV, "grouped")
+    lean.apply(wide)  # as training sets the model up (train.loss.setup_forward)
+    arch = from_config(wide.config.to_dict(), WIDE)
+    rows = []
+    for seq, batch in ((32, 1), (128, 4)):
+        got = memcheck.measure_activations(wide, batch, seq, False)
+        measured = got["total"]
+        if ck:
+            measured = memcheck.measure_activations(wide, batch, seq, True)["total"] + got["per_layer"]
+        s = E.Setup(model=WIDE, seq_len=seq, micro_batch=batch, lora_dropout=0.0, lora_expert_targets="auto",
+                    model_dtype="float32", quant_storage="float32", optimizer="adamw_8bit", checkpointing=ck,
+                    device="cpu", loss="transformers")
+        terms = E.activation_terms(arch, s)
+        planned = terms["activations"] + terms["_head_saved"]
+        rows.append((seq, batch, planned, measured, abs(planned - measured) / measured))
+    assert all(r[4] <= 0.15 for r in rows), rows
