@@ -170,3 +170,38 @@ def test_the_plans_activations_hold_for_the_grouped_layout(wide, monkeypatch, ck
         planned = terms["activations"] + terms["_head_saved"]
         rows.append((seq, batch, planned, measured, abs(planned - measured) / measured))
     assert all(r[4] <= 0.15 for r in rows), rows
+
+
+def test_the_grouped_experts_never_wait_on_the_device(wide, monkeypatch):
+    """test_moe_4bit's dispatch count, on the grouped path: no op of the experts' forward or backward reads
+    the host (the group ends are cumsum(bincount) on the device; the per-expert loop reads the counts once
+    per layer), one bincount per layer, and the matmuls are grouped GEMMs (6 per layer forward with LoRA on
+    both parameters). Counted through torch's dispatch, as the per-expert test counts."""
+    import inspect
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from finetune.weights.experts import grouped
+
+    monkeypatch.setenv(grouped.ENV, "grouped")
+    here = inspect.getfile(grouped)
+    waits = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.masked_select.default, torch.ops.aten._unique2.default, torch.ops.aten.item.default}
+    ops = []
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(fr.filename == here for fr in traceback.extract_stack()):
+                ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    ids = torch.randint(3, 384, (2, 24), generator=torch.Generator().manual_seed(3))
+    with Ops():
+        loss = wide(input_ids=ids, labels=ids).loss
+        forward = list(ops)
+        loss.backward()
+    assert [f for f in ops if f in waits] == []
+    assert forward.count(torch.ops.aten.bincount.default) == 2  # 2 layers
+    assert forward.count(torch.ops.aten._grouped_mm.default) == 2 * 6, forward
+    wide.zero_grad(set_to_none=True)
