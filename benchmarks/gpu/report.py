@@ -155,7 +155,7 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
         return [f"- TRL: {kv(r['trl'])}", f"- finetune over TRL: {kv(r.get('finetune_over_trl') or {})}"]
     if name == "moe":
         return _run_rows("moe", r)
-    if name in ("adapters", "preference"):
+    if name in ("adapters", "preference", "moe_speed"):
         out = []
         for run, v in r.items():
             out += _run_rows(run, v) if isinstance(v, dict) and "memory" in v else [f"- {run}: {kv(v)}"]
