@@ -2,7 +2,7 @@
 
 Rows (one module each, benchmarks/README.md has the table): throughput (1), packing (2), merge_rss (3),
 estimate_error (4), checkpointing (5), startup (6), trl_sft (7), loss_memory (8), load_rss (9), phase_rss (10),
-prepare_rss (11). Every row is stamped with the commit and date it was measured at, and kept in
+prepare_rss (11), moe_speedup (12). Every row is stamped with the commit and date it was measured at, and kept in
 benchmarks/RESULTS.json: a run of some rows (`--rows`) rewrites those and keeps the others with their own
 stamps, so a stale row says so. With --json the last line of stdout is one JSON object: the four goal figures
 first, then everything measured. Progress goes to stderr.
@@ -32,6 +32,7 @@ ROWS = {
     "load_rss": ({}, {"layers": 4}, 1800),
     "phase_rss": ({}, {"layers": 2, "only": ["single", "fsdp2"]}, 3600),
     "prepare_rss": ({"rows": 200_000}, {"rows": 20_000}, 1800),
+    "moe_speedup": ({"reps": 3, "warmup": 2, "steps": 6}, {"reps": 1, "warmup": 1, "steps": 2}, 1800),
 }
 # row -> the module that measures it (run through benchmarks._child): the peer comparison lives with the peers
 MODULES = {name: f"{'peers' if name.startswith('trl_') else 'cpu'}.{name}" for name in ROWS}

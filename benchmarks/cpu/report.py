@@ -21,7 +21,8 @@ EXTRA = {"checkpointing_step_time_ratio": ("checkpointing", "step_time_ratio"),
          "trl_loss_not_worse": ("trl_sft", "loss_not_worse"),
          "loss_memory_ratio": ("loss_memory", "loss_memory_ratio"),
          "load_rss_ratio_2_over_1": ("load_rss", "ratio_2_over_1"),
-         "load_rss_single_over_model": ("load_rss", "single_growth_over_model")}
+         "load_rss_single_over_model": ("load_rss", "single_growth_over_model"),
+         "moe_speedup": ("moe_speedup", "moe_speedup"), "moe_peak_rss_ratio": ("moe_speedup", "peak_rss_ratio")}
 LOADED = 0.5  # load average per core above which timings are flagged as taken under load
 
 
@@ -125,7 +126,10 @@ def summary_table(results: dict) -> str:
         line(10, "whole run, 2 FSDP2 ranks: what a rank saves over one process, in packed 4-bit bytes", "phase_rss",
              lambda: f"**{_f(ph['fsdp2_saving_over_packed'])}x**", ">= 0.4"),
         line(11, "`finetune data`, peak RSS on a cold cache", "prepare_rss",
-             lambda: f"**{_f(pr['peak_rss_gib'])} GiB** for {pr['rows_written']:,} rows")])
+             lambda: f"**{_f(pr['peak_rss_gib'])} GiB** for {pr['rows_written']:,} rows"),
+        line(12, "MoE, grouped 4-bit experts / per-expert loop: tokens/s; peak RSS", "moe_speedup",
+             lambda: f"**{_f(rows['moe_speedup']['moe_speedup'])}x**; {_f(rows['moe_speedup']['peak_rss_ratio'])}",
+             ">= 10; <= 1.0")])
 
 
 def stamp(rows: dict, name: str) -> str:

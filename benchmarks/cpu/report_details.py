@@ -196,6 +196,15 @@ def prepare_rss(r: dict) -> list[str]:
             "The bound held by docs/robustness.md: 2,000,000 rows under 1.5 GiB.", "", table(r)]
 
 
+def moe_speedup(r: dict) -> list[str]:
+    return ["The real loop on a synthetic Qwen3-MoE (2 layers, 48 experts, top-6, hidden 128; 4-bit experts, LoRA on "
+            "them and on attention), grouped experts against the per-expert loop (FINETUNE_MOE_EXPERTS=per_expert), "
+            "runs alternating in fresh processes (benchmarks/cpu/moe_speedup.py).", "",
+            "| path | trained tokens/s | peak RSS MiB |", "|---|---|---|",
+            f"| grouped | {_f(r['grouped_tokens_per_s'])} | {_f(r['grouped_peak_rss_mib'])} |",
+            f"| per-expert | {_f(r['per_expert_tokens_per_s'])} | {_f(r['per_expert_peak_rss_mib'])} |"]
+
+
 SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("packing", "## 2. Packing", packing),
             ("merge_rss", "## 3. Merge memory", merge_rss),
@@ -206,7 +215,8 @@ SECTIONS = [("throughput", "## 1. Training loop throughput", throughput),
             ("loss_memory", "## 8. Loss memory", loss_memory),
             ("load_rss", "## 9. Loading memory", load_rss),
             ("phase_rss", "## 10. Memory per phase of a whole run", phase_rss),
-            ("prepare_rss", "## 11. Data preparation memory", prepare_rss)]
+            ("prepare_rss", "## 11. Data preparation memory", prepare_rss),
+            ("moe_speedup", "## 12. MoE experts, grouped", moe_speedup)]
 
 
 def sections(rows: dict) -> list[str]:

@@ -138,13 +138,14 @@ def built(model: str, log: Path) -> None:
                 log=log), f"building {model}")
 
 
-def train_and_read(rec: dict, work: Path, name: str, sh_: dict, launcher=finetune) -> dict:
+def train_and_read(rec: dict, work: Path, name: str, sh_: dict, launcher=finetune, env_extra: dict | None = None
+                   ) -> dict:
     run = work / name
     path = write_recipe(rec, work / f"{name}.yaml")
     log = work / "commands.log"
     built(rec["model"]["name"], log)
     t0 = time.perf_counter()
-    must(sh(launcher(str(path)), log=log), f"training {name}")
+    must(sh(launcher(str(path)), log=log, env_extra=env_extra), f"training {name}")
     records = read_jsonl(run / "metrics.jsonl")
     rate = steady_rate(records, after_step=sh_["warmup"])
     return {"run": str(run), "recipe": str(path), "seconds": round(time.perf_counter() - t0, 1),

@@ -5,7 +5,10 @@
 - `preference`: DPO and ORPO through the real loop on CUDA (the reference pass, chosen and rejected in one
   batch), then `finetune eval` for the held-out preference accuracy;
 - `moe`: a Qwen3-30B-A3B-width model (its 128 experts, few layers) with the experts held 4-bit and LoRA on
-  them (`lora.target_parameters: auto`): train, the planner beside the measured phases, eval on the GPU.
+  them (`lora.target_parameters: auto`): train, the planner beside the measured phases, eval on the GPU;
+- `moe_speed`: the grouped 4-bit experts (finetune/weights/experts/grouped.py) at Qwen3-30B-A3B's full depth,
+  LoRA on attention and experts, 2 x 2048: tokens/s and peak against the plan, and the per-expert loop on 4
+  layers beside it, compared per layer.
 
 Each prints nothing of its own: stages.main writes the returned dict as the stage's result.
 """
@@ -89,4 +92,47 @@ def stage_moe(work: Path, sh_: dict) -> dict:
     return res
 
 
-STAGES = {"adapters": stage_adapters, "preference": stage_preference, "moe": stage_moe}
+def moe_speed_names(dry: bool) -> tuple[str, str]:
+    """(the grouped run's model, the per-expert run's): Qwen3-30B-A3B's widths at full depth (48 layers) and
+    4 of them; the dry run's tiny stand-in has rows of whole 64-element blocks, so it runs grouped too."""
+    if dry:
+        tiny = ("synthetic:Qwen/Qwen3-30B-A3B?layers=2&hidden=64&intermediate=64&heads=4&kv_heads=2&head_dim=16"
+                "&vocab=2048&experts=32&experts_per_tok=4&moe_intermediate=64")
+        return tiny, tiny
+    return "synthetic:Qwen/Qwen3-30B-A3B?device=cuda", "synthetic:Qwen/Qwen3-30B-A3B?layers=4&device=cuda"
+
+
+def stage_moe_speed(work: Path, sh_: dict) -> dict:
+    """Grouped 4-bit experts at full depth, LoRA on attention and experts, 2 x seq: tokens/s and peak against
+    the plan; the per-expert loop (FINETUNE_MOE_EXPERTS=per_expert) on 4 layers beside it, compared per layer.
+    The goal (issue 49): >= 2,600 trained tokens/s, <= 20 GiB peak allocated, planned within 10%."""
+    full, short = moe_speed_names(sh_["device"] == "cpu")
+    lora = {"target_parameters": "auto", "dropout": 0.0}
+    steps, out = sh_["warmup"] + (2 if sh_["device"] == "cpu" else 4), {}
+    for name, model, env in (("moe_speed", full, None),
+                             ("moe_speed_per_expert", short, {"FINETUNE_MOE_EXPERTS": "per_expert"})):
+        rec = recipe(model, sh_["seq"], steps, work / name, held_out=False, lora=lora,
+                     train={"micro_batch_size": 2})
+        out[name] = _planned(train_and_read(rec, work, name, sh_, env_extra=env), work, name)
+    g, p = out["moe_speed"], out["moe_speed_per_expert"]
+    layers = {"moe_speed": _layers(full), "moe_speed_per_expert": _layers(short)}
+    # seconds per step per decoder layer: the two runs differ in depth, not in what one layer does
+    per_layer = {k: out[k]["s_per_step"] / layers[k] for k in out}
+    steps_peak = g["memory"]["phases"].get("steps", {}).get(_peak_key(g))
+    out["grouped_over_per_expert_per_layer"] = round(per_layer["moe_speed_per_expert"] / per_layer["moe_speed"], 2)
+    out["goal"] = {"tokens_per_s": g["trained_tokens_per_s"], "tokens_per_s_goal": 2600,
+                   "steps_peak_gib": steps_peak, "peak_goal_gib": 20,
+                   "steps_plan_error_pct": g["errors_pct"].get("steps_allocated"), "plan_error_goal_pct": 10,
+                   "met": (sh_["device"] == "cuda" and g["trained_tokens_per_s"] >= 2600 and steps_peak is not None
+                           and steps_peak <= 20 and abs(g["errors_pct"].get("steps_allocated", 100)) <= 10)}
+    return out
+
+
+def _layers(model: str) -> int:
+    from finetune.util import synthetic_names
+
+    base, overrides, _ = synthetic_names.parse(model, "model.name")
+    return int(overrides.get("num_hidden_layers", 48))  # Qwen3-30B-A3B has 48
+
+
+STAGES = {"adapters": stage_adapters, "preference": stage_preference, "moe": stage_moe, "moe_speed": stage_moe_speed}

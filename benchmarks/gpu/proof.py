@@ -44,6 +44,8 @@ STAGES = [
     ("syncs", "host synchronisations per optimizer step (4 micro-batches), one process and FSDP2", 70, 25, 200),
     ("moe", "Qwen3-30B-A3B widths (128 experts, 4 layers), experts 4-bit with LoRA on them: train, plan, eval",
      100, 10, 240),
+    ("moe_speed", "grouped 4-bit experts, Qwen3-30B-A3B at 48 layers, LoRA on attention and experts, 2 x 2048: "
+     "tokens/s, peak vs plan; the per-expert loop on 4 layers beside it", 420, 75, 900),
     ("adapters", "DoRA beside LoRA on the 4-layer 8B-width model, one process: tokens/s and memory vs plan", 60, 10, 240),
     ("preference", "DPO and ORPO through the loop on the builtin pairs, then eval's preference accuracy", 130, 15, 240),
     # a call of its own on a GPU (`--stages speed --deadline 560`): five 8B runs, TRL's beside them

@@ -157,7 +157,7 @@ def _section(name: str, r: dict, results: dict) -> list[str]:
         return _run_rows("moe", r)
     if name in ("speed", "speed_unsloth"):
         return _speed_rows(r)
-    if name in ("adapters", "preference", "long_context"):
+    if name in ("adapters", "preference", "long_context", "moe_speed"):
         out = []
         for run, v in r.items():
             out += _run_rows(run, v) if isinstance(v, dict) and "memory" in v else [f"- {run}: {kv(v)}"]

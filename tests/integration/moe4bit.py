@@ -11,6 +11,10 @@ from pathlib import Path
 SMALL = "?layers=2&hidden=64&intermediate=64&heads=4&kv_heads=2&head_dim=16&vocab=384&experts=16&experts_per_tok=2"
 BASES = {"qwen3moe": ("Qwen/Qwen3-30B-A3B", "&moe_intermediate=32"), "mixtral": ("mistralai/Mixtral-8x7B-v0.1", "")}
 EXPERTS = 16
+# The grouped experts' tests (test_moe_grouped.py, and the FSDP2 run of test_moe_4bit.py): >= 32 experts,
+# top-4, rows of whole 64-element blocks (grouped.usable), straight from the synthetic builder (fused experts; the loader quantizes them expert by expert).
+WIDE = ("synthetic:Qwen/Qwen3-30B-A3B?layers=2&hidden=64&intermediate=64&moe_intermediate=64&heads=4&kv_heads=2"
+        "&head_dim=16&vocab=384&experts=32&experts_per_tok=4")
 
 
 def hub_layout(family: str, out: Path) -> Path:

@@ -29,7 +29,7 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
     res = json.loads((tmp_path / "out" / "results.json").read_text())["stages"]
     assert [n for n, r in res.items() if r["status"] == "ok"] == list(res), res
     assert set(res) == {"env", "models", "single", "fsdp2", "fsdp1", "load70b", "trl", "fp16", "fsdp2_trace", "syncs",
-                        "moe", "adapters", "preference", "speed", "speed_unsloth",
+                        "moe", "moe_speed", "adapters", "preference", "speed", "speed_unsloth",
                         "long_context"}
     single = res["single"]["result"]
     plan = json.loads((tmp_path / "work" / "single" / "memory.json").read_text())["plan"]
@@ -50,6 +50,10 @@ def test_dry_run_runs_every_stage_and_writes_its_files(tmp_path):
         assert sy["measurable"] is False and sy["syncs_per_optimizer_step"] is None
     moe = res["moe"]["result"]  # 4-bit experts with LoRA on them: trained, planned, evaluated
     assert moe["losses_finite"] and moe["eval"]["eval_rows"] > 0 and moe["plan"]["allocated_gib"] > 0
+    speed = res["moe_speed"]["result"]  # grouped at depth, the per-expert loop beside it, each planned
+    for run in ("moe_speed", "moe_speed_per_expert"):
+        assert speed[run]["losses_finite"] and speed[run]["trained_tokens_per_s"] > 0 and speed[run]["plan"]["allocated_gib"] > 0
+    assert speed["grouped_over_per_expert_per_layer"] > 0 and speed["goal"]["met"] is False  # no GPU: not the goal
     ad = res["adapters"]["result"]
     assert ad["adapters_lora"]["losses_finite"] and ad["adapters_dora"]["losses_finite"]
     assert ad["adapters_dora"]["plan"]["allocated_gib"] > ad["adapters_lora"]["plan"]["allocated_gib"]

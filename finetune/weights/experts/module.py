@@ -7,9 +7,11 @@ with double quantization when the recipe asks, by bitsandbytes' own quantize_4bi
 in the storage dtype like every other 4-bit weight, so FSDP shards them the same way. The quantization
 state of every expert is small and sits beside them as non-persistent buffers (every rank holds it whole).
 
-The forward groups the router's picks by expert (one host read per layer: each expert's count) and
-dequantizes, one at a time, only the experts the router picked for the batch: the workspace is
-one expert's weight in the model dtype, and backward dequantizes again instead of keeping it (as
+The forward runs grouped (weights/experts/grouped.py: each parameter's experts dequantized in one call, one
+grouped matmul per projection over the routed tokens sorted by expert, no host read). The per-expert loop
+below is its reference and its fallback (grouped.usable says when): it groups the router's picks by expert
+(one host read per layer: each expert's count) and dequantizes, one at a time, only the experts the router
+picked for the batch. Either way backward dequantizes again instead of keeping the weights (as
 bitsandbytes' 4-bit matmul does). LoRA on experts (peft's ParamWrapper, through expert_lora.py) is
 added per picked expert as x·Aₑᵀ·Bₑᵀ·scale, the same W + scale·B·A peft applies to the dense tensor.
 """
@@ -80,7 +82,12 @@ class PackedExperts(torch.nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights, factors: dict | None = None):
         """As transformers' experts forward; `factors`: parameter name -> peft's (lhs [E, out, r],
         rhs [E, r, in], scaling) for the adapted ones."""
+        from finetune.weights.experts import grouped
+
         factors = factors or {}
+        if grouped.usable(self, hidden_states, factors):
+            return grouped.forward(self, hidden_states, top_k_index, top_k_weights, factors)
+        # the per-expert loop: the reference, and the fallback where grouped GEMM cannot run (grouped.usable)
         out = torch.zeros_like(hidden_states)
         all_token, all_pos, counts = route(top_k_index, self.num_experts)
         start = 0
