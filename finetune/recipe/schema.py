@@ -5,7 +5,7 @@ applying overrides is `finetune.recipe.read`; the cross-field rules are `finetun
 """
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -18,6 +18,9 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True,
                               allow_inf_nan=False)
 
+
+# Decoder layers a model may have (405B has 126): the bound of an integer gradient_checkpointing.
+LAYERS_MAX = 1024
 
 # Seeds go to torch (a C uint64), Python's random and numpy (uint32): the range all of them accept.
 SEED_MAX = 2**32 - 1
@@ -50,8 +53,18 @@ class ModelSpec(_Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel. flash_attention_2 falls back to sdpa (with a one-line notice) where flash-attn
     or a CUDA GPU is absent."""
-    gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass: much less activation memory for ~30% more compute."""
+    gradient_checkpointing: Union[bool, Literal["auto"], Annotated[int, Field(ge=0, le=LAYERS_MAX)]] = True
+    """Recompute decoder layers' activations in the backward pass instead of keeping them: much less
+    activation memory for one more forward of each checkpointed layer (~30% more compute with all). true:
+    every layer; false (or 0): none, the fastest where the activations fit; N: the first N decoder layers
+    (at most the model's count), the rest keep theirs; `auto`: the planner picks the fewest checkpointed
+    layers whose planned step peak fits the device (the GPU's memory, or on a CPU run the RAM available,
+    capped by `max_memory_gib`) and says its choice in one line, as `validate` and `estimate` do. The right
+    setting for a GPU recipe: it recomputes only what memory forces."""
+    max_memory_gib: float | None = Field(None, gt=0)
+    """Cap on one device's memory (GiB; a CPU process's RAM on a CPU run) that `gradient_checkpointing:
+    auto` and `validate`'s fit check plan against, below the device's own: leave room for another job, or
+    plan for a smaller GPU. Null: the device's memory (`--gpu-memory` where given)."""
     activation_offloading: bool = False
     """GPU only: move the activations autograd keeps (with checkpointing: each layer's input) to pinned
     CPU memory during the forward pass and copy them back on a side stream ahead of the backward pass
@@ -65,6 +78,17 @@ class ModelSpec(_Section):
     """Allow a model repository to run its own Python code. Off: only architectures transformers ships."""
     allow_pickle: bool = False
     """Allow loading `.bin`/`.pt` (pickle) weights. Off: safetensors only, as pickle can execute code."""
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing(cls, v):
+        # one message instead of pydantic's three (one per member of the union)
+        text = v.strip().lower() if isinstance(v, str) else None
+        number = int(text) if text and text.isdigit() else v
+        if not (isinstance(v, bool) or text in ("auto", "true", "false")
+                or (type(number) is int and 0 <= number <= LAYERS_MAX)):
+            raise ValueError(f"must be true, false, auto or a number of decoder layers from 0 to {LAYERS_MAX}")
+        return v
 
 
 class QuantizationSpec(_Section):
