@@ -5,7 +5,7 @@ applying overrides is `finetune.recipe.read`; the cross-field rules are `finetun
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
@@ -53,7 +53,7 @@ class ModelSpec(_Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel. flash_attention_2 falls back to sdpa (with a one-line notice) where flash-attn
     or a CUDA GPU is absent."""
-    gradient_checkpointing: Union[bool, Literal["auto"], Annotated[int, Field(ge=0, le=LAYERS_MAX)]] = True
+    gradient_checkpointing: Union[bool, Literal["auto"], int] = True  # an int: 0..LAYERS_MAX (_checkpointing)
     """Recompute decoder layers' activations in the backward pass instead of keeping them: much less
     activation memory for one more forward of each checkpointed layer (~30% more compute with all). true:
     every layer; false (or 0): none, the fastest where the activations fit; N: the first N decoder layers
