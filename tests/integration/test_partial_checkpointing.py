@@ -48,3 +48,31 @@ def test_first_n_layers_recompute_with_the_same_loss_and_gradients(tiny_model_di
     worst = max(float((g - base_grads[k]).norm() / base_grads[k].norm()) for k, g in grads.items())
     assert worst <= 1e-6 and len(grads) == 4 * 7 * 2, worst
     assert all_saved < half_saved < none_saved
+
+
+def test_auto_on_a_cpu_run_plans_against_ram_or_the_cap_and_says_so(capsys):
+    """train.recompute.resolve as training calls it, on this CPU: the machine's RAM holds the tiny recipe's
+    activations (none checkpointed); a cap between the planner's figures for 1 and 2 layers makes it 2; a cap
+    below everything checkpoints all 4 and says it does not fit."""
+    from dataclasses import replace
+
+    from accelerate import Accelerator
+
+    from finetune import recipe as R
+    from finetune.plan import checkpointing as C
+    from finetune.plan import estimate as E
+    from finetune.train.recompute import resolve
+
+    acc = Accelerator(cpu=True)
+    tiny = "recipes/tiny_cpu.yaml"
+    assert resolve(R.load(tiny, ["model.gradient_checkpointing=auto"]), acc) == 0
+    assert "gradient checkpointing: auto -> 0 of 4 layers (plan " in capsys.readouterr().out
+    s = replace(E.from_recipe(R.load(tiny)), gpus=1, device="cpu")
+    peaks = [C.peak_bytes(C.fit(replace(s, checkpointing=k))[0]) for k in range(5)]
+    cap = (peaks[1] + peaks[2]) / 2 / 2**30
+    assert resolve(R.load(tiny, ["model.gradient_checkpointing=auto", f"model.max_memory_gib={cap}"]), acc) == 2
+    out = capsys.readouterr().out
+    assert f"auto -> 2 of 4 layers (plan {peaks[2] / 2**30:.1f} of {cap:.1f} GiB" in out
+    assert resolve(R.load(tiny, ["model.gradient_checkpointing=auto", "model.max_memory_gib=0.01"]), acc) == 4
+    assert "does not fit even so" in capsys.readouterr().out
+    assert resolve(R.load(tiny, ["model.gradient_checkpointing=3"]), acc) == 3
