@@ -84,7 +84,8 @@ def half_cap(model: str, micro_batch: int) -> tuple[float, int, int]:
 def run(steps: int = 20, warmup: int = 2, micro_batch: int = 4, reps: int = 1, model: str = MODEL) -> dict:
     from finetune.weights.built.synthetic import synthetic_dir
 
-    synthetic_dir(model)  # built once, before any arm measures itself
+    if model.startswith("synthetic:"):
+        synthetic_dir(model)  # built once, before any arm measures itself
     cap, half, layers = half_cap(model, micro_batch)
     ctx = fork_context()
     common = (model, warmup, steps, micro_batch)
