@@ -54,11 +54,11 @@ from finetune.train.keepers.metrics import Metrics
 from finetune.train.keepers.resume import Restored, Resume
 from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
 from finetune.train.lora import apply_lora, enable_checkpointing, load_adapter_into, trainable_report
-from finetune.train.recompute import resolve as resolve_checkpointing
 from finetune.train.loss import loss_totals, setup_forward
 from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.preference import eval_totals
+from finetune.train.recompute import resolve as resolve_checkpointing
 from finetune.train.refpolicy import attach_reference, dpo_key
 from finetune.train.run import Adapters, Optim, Run, Setup, held_out_batches, plan_steps
 from finetune.train.step import global_sum, make_scaler, optimizer_step
