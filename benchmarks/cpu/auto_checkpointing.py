@@ -66,7 +66,8 @@ def arm(extra: list[str], model: str, warmup: int, steps: int, micro_batch: int)
 
 def half_cap(model: str, micro_batch: int) -> tuple[float, int, int]:
     """The planner's per-process step figure with the first half of the layers checkpointed, in GiB (rounded
-    up to 0.01, so that half fits under it): the cap under which `auto` should pick half."""
+    up to 1e-4, about 100 KiB: half fits under it, one layer fewer does not): the cap under which `auto` should
+    pick half."""
     from benchmarks.common import resolved_precision
     from finetune import recipe as recipe_mod
     from finetune.plan import checkpointing as C
@@ -78,7 +79,7 @@ def half_cap(model: str, micro_batch: int) -> tuple[float, int, int]:
     arch = resolve(model)[0]
     half = arch.layers // 2
     p, _ = C.fit(replace(s, checkpointing=half), arch)
-    return -(-C.peak_bytes(p) * 100 // GIB) / 100, half, arch.layers
+    return -(-C.peak_bytes(p) * 10**4 // GIB) / 10**4, half, arch.layers
 
 
 def run(steps: int = 20, warmup: int = 2, micro_batch: int = 4, reps: int = 1, model: str = MODEL) -> dict:
