@@ -88,7 +88,8 @@ class SavedTensorMeter:
         return sum(self.seen.values())
 
 
-def _set_checkpointing(model, on: bool):
+def _set_checkpointing(model, on: bool | int):
+    """True: every layer; False: none; an int: the first that many (finetune.train.lora.checkpoint_first)."""
     # transformers 5 renamed gradient_checkpointing_* to activation_checkpointing_*
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
@@ -98,11 +99,15 @@ def _set_checkpointing(model, on: bool):
             enable(activation_checkpointing_kwargs=kw)
         except TypeError:  # transformers 4
             enable(gradient_checkpointing_kwargs=kw)
+        if on is not True:
+            from finetune.train.lora import checkpoint_first
+
+            checkpoint_first(model, on)
     else:
         disable()
 
 
-def measure_activations(model, batch: int, seq: int, checkpointing: bool) -> dict[str, int]:
+def measure_activations(model, batch: int, seq: int, checkpointing: bool | int) -> dict[str, int]:
     """Saved bytes of one forward pass; `per_layer` is the largest decoder layer's own share."""
     import torch
 
@@ -157,7 +162,7 @@ def measure_training_state(model, batch: int = 2, seq: int = 32) -> dict[str, in
     return {"gradients": grads, "optimizer_8bit": eight, "optimizer_32bit": thirty_two}
 
 
-def planned(model, r: int, dropout: float, batch: int = 1, seq: int = 32, checkpointing: bool = False) -> E.Plan:
+def planned(model, r: int, dropout: float, batch: int = 1, seq: int = 32, checkpointing: bool | int = False) -> E.Plan:
     arch = from_config(model.config.to_dict(), "builtin:tiny-llama")
     s = E.Setup(model="builtin:tiny-llama", seq_len=seq, micro_batch=batch, lora_r=r, lora_dropout=dropout,
                 lora_dtype="float32", model_dtype="float32", quant_storage="float32", optimizer="adamw_8bit",
@@ -169,8 +174,9 @@ def rel(planned_bytes: int, measured_bytes: int) -> float:
     return abs(planned_bytes - measured_bytes) / max(1, measured_bytes)
 
 
-# seq x micro-batch x checkpointing; on CPU in bf16, 32 and 128 tokens take SDPA's math kernel, 256 its flash kernel
-SWEEP = list(itertools.product((32, 128, 256), (1, 4), (False, True)))
+# seq x micro-batch x checkpointing; on CPU in bf16, 32 and 128 tokens take SDPA's math kernel, 256 its flash kernel;
+# and the first 2 of the 4 layers checkpointed (model.gradient_checkpointing: 2) on each kernel
+SWEEP = list(itertools.product((32, 128, 256), (1, 4), (False, True))) + [(128, 4, 2), (256, 4, 2)]
 
 
 def compare(r: int = 16, dropout: float = 0.05, sweep=SWEEP) -> list[dict]:
@@ -192,6 +198,11 @@ def compare(r: int = 16, dropout: float = 0.05, sweep=SWEEP) -> list[dict]:
         if not ck:
             per_layer[(seq, batch)] = got["per_layer"]
             rows.append({"what": f"activations seq={seq} batch={batch} checkpointing=off",
+                         "planned": terms["activations"] + terms["_head_saved"], "measured": got["total"]})
+        elif ck is not True:
+            # the first ck layers checkpointed: the peak is the end of the forward, the later layers' saved
+            # tensors on top of the held inputs (a recompute comes after they are freed: plan.activations)
+            rows.append({"what": f"activations seq={seq} batch={batch} checkpointing={ck} of {p.arch.layers}",
                          "planned": terms["activations"] + terms["_head_saved"], "measured": got["total"]})
         else:
             # peak with checkpointing: what the checkpoints keep + one layer recomputed in backward

@@ -45,6 +45,9 @@ def recipe(model: str, seq: int, steps: int, out: Path, held_out: bool = True, *
 
     rec = yaml.safe_load((ROOT / "recipes" / "llama3_8b_qlora.yaml").read_text())
     rec["model"]["name"] = model
+    # The stages measure what their kept runs measured: every layer checkpointed (the recipe's `auto` would
+    # pick by the card's memory; a stage that wants it says so in `sections`).
+    rec["model"]["gradient_checkpointing"] = True
     rows = 2 * steps + 8
     rec["data"] = {"sources": [{"path": f"synthetic:tokens?rows={rows}&min_len={seq}&max_len={seq}"}],
                    "eval_sources": [{"path": f"synthetic:tokens?rows=4&min_len={seq}&max_len={seq}",

@@ -60,14 +60,15 @@ def setup_from_args(a):
         s = replace(s, strategy="fsdp")
     if a.gpu_memory:
         s = replace(s, gpu_memory=parse_size(a.gpu_memory, "--gpu-memory"))
-    return s
+    return s, r.model.max_memory_gib
 
 
 def run(a) -> int:
     import json
 
     from finetune.commands.common import at_least_one, split_overrides
-    from finetune.plan.estimate import build, render
+    from finetune.plan.checkpointing import budget, fit
+    from finetune.plan.estimate import render
     from finetune.util.errors import RecipeError
 
     if a.update_headers:
@@ -81,12 +82,16 @@ def run(a) -> int:
     if a.max_seq_len:
         return _max_seq_len(a)
     try:
-        p = build(setup_from_args(a))
+        s, cap = setup_from_args(a)
+        p, choice = fit(s, budget_bytes=budget(s.gpu_memory, cap))
     except ValueError as e:  # unknown model: where it looked and what it knows
         raise RecipeError([str(e)]) from None
     print(render(p))
+    print(choice.line())
     if a.json:
-        print(json.dumps(p.to_json(), sort_keys=True))
+        ck = {"setting": choice.setting, "layers": choice.layers, "of": choice.total, "planned": choice.planned,
+              "budget": choice.budget, "flops_saved": round(choice.flops_saved, 4)}
+        print(json.dumps({**p.to_json(), "checkpointing": ck}, sort_keys=True))
     return 0
 
 
@@ -102,7 +107,7 @@ def _max_seq_len(a) -> int:
                            "the one that fits it"])
     host = parse_size(a.host_memory, "--host-memory") if a.host_memory else None
     try:
-        s = setup_from_args(a)
+        s, _ = setup_from_args(a)  # the longest length checkpoints every layer: `auto` is moot there
         rows = longest.table(s, host)
     except ValueError as e:
         raise RecipeError([str(e)]) from None

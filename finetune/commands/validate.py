@@ -32,6 +32,7 @@ def run(a) -> int:
     if problems:
         print(render(problems))
     print_adapted(r)
+    print_checkpointing(r, a.gpus, gpu_mem, device, cpu_mem)
     print(describe_method(r))
     for p in here_problems(r):  # this machine, not the recipe: training refuses them, validate only tells
         print(f"before training here: {p.render()}")
@@ -50,3 +51,20 @@ def print_adapted(r) -> None:
     except (ValueError, OSError):
         return
     print(estimate.describe_adapted(arch, estimate.from_recipe(r)))
+
+
+def print_checkpointing(r, gpus: int | None, gpu_memory: int | None, device: str = "cuda",
+                        cpu_memory: int | None = None) -> None:
+    """The gradient-checkpointing choice in the words training logs (nothing when the shapes are unknown)."""
+    from finetune.plan.archs import resolve
+    from finetune.train.preflight import checkpointing_plan
+
+    try:
+        arch, _ = resolve(r.model.name)
+    except (ValueError, OSError):
+        return
+    if device == "cpu":  # the RAM is the device (as memory_problems plans it)
+        from finetune.train.preflight import machine_ram
+
+        gpu_memory, cpu_memory = None, cpu_memory or machine_ram()
+    print(checkpointing_plan(r, arch, gpus, gpu_memory, device, cpu_memory)[1].line())

@@ -174,13 +174,30 @@ def mlp_bytes(arch: Arch, s) -> int:
     return 4 if dora_promotes(arch, s, MLP_INPUTS) else MP_BYTES[s.mixed_precision]
 
 
-def layer_saved_bytes(arch: Arch, s, batch: int, seq: int) -> int:
-    """Bytes autograd keeps for one decoder layer (no checkpointing)."""
+def checkpointed_layers(arch: Arch, s) -> int:
+    """How many decoder layers `Setup.checkpointing` recomputes: True all, False none, an int the first N
+    (at most all). `auto` unresolved (no memory to plan against: plan.checkpointing.fit) plans all."""
+    c = s.checkpointing
+    if c is True or c == "auto":
+        return arch.layers
+    return min(int(c), arch.layers)
+
+
+def checkpointing_words(arch: Arch, s) -> str:
+    """`on`, `off` or `N of L layers`: the plan's header line."""
+    k = checkpointed_layers(arch, s)
+    return "off" if k == 0 else "on" if k == arch.layers else f"{k} of {arch.layers} layers"
+
+
+def layer_saved_bytes(arch: Arch, s, batch: int, seq: int, checkpointed: bool | None = None) -> int:
+    """Bytes autograd keeps for one decoder layer: a layer without checkpointing, or (`checkpointed`,
+    default: whether any layer is) the working set of one recomputed in backward."""
     t, h, i = batch * seq, arch.hidden, arch.intermediate
     cb = MP_BYTES[s.mixed_precision]
+    checkpointed = checkpointed_layers(arch, s) > 0 if checkpointed is None else checkpointed
     if lean(arch, s):
         # finetune.train.lean: each norm keeps its input; the first one's is the checkpointed layer input
-        total = (arch.norms_per_layer - (1 if s.checkpointing else 0)) * t * h * residual_bytes(arch, s)
+        total = (arch.norms_per_layer - (1 if checkpointed else 0)) * t * h * residual_bytes(arch, s)
     else:
         total = arch.norms_per_layer * (t * h * 4 + t * 4)  # RMSNorm upcasts to fp32 and keeps it + rsqrt
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
@@ -264,12 +281,13 @@ def first_layer_discount(arch: Arch, s, tokens: int) -> int:
     return saved
 
 
-def held_bytes(arch: Arch, s) -> int:
-    """What checkpointing keeps for the whole backward: each layer's input, in the residual dtype. With
-    activation offloading they live in pinned CPU memory, and only the layer in use and the one being
-    copied back ahead of it are on the GPU."""
+def held_bytes(arch: Arch, s, k: int | None = None) -> int:
+    """What checkpointing keeps for the whole backward: each checkpointed layer's input (`k` of them,
+    default all), in the residual dtype. With activation offloading they live in pinned CPU memory, and only
+    the layer in use and the one being copied back ahead of it are on the GPU."""
     per_input = s.micro_batch * s.seq_len * arch.hidden * residual_bytes(arch, s)
-    layers = min(arch.layers, PREFETCHED_LAYERS) if s.activation_offload else arch.layers
+    k = arch.layers if k is None else k
+    layers = min(k, PREFETCHED_LAYERS) if s.activation_offload else k
     return layers * per_input
 
 
@@ -282,13 +300,18 @@ def activation_terms(arch: Arch, s) -> dict[str, int]:
     rope = 2 * L * arch.head_dim * 4  # cos/sin tables, shared by all layers
     head = head_saved_bytes(arch, s, b, L)
     loss = head + loss_working_bytes(arch, s, b * L)
-    offloaded = 0
-    if s.checkpointing:
-        held = held_bytes(arch, s)
+    offloaded, k = 0, checkpointed_layers(arch, s)
+    if k:
+        # The first k layers are checkpointed (train.lora.enable_checkpointing), the rest keep all they save.
+        # Backward reaches a checkpointed layer only after every later layer freed its saved tensors, so one
+        # recomputed layer never stacks on them: the peak is the end of the forward (kept layers + loss) or
+        # a recompute on top of the held inputs, whichever is larger. With k = all, kept is 0.
+        held = held_bytes(arch, s, k)
         if s.activation_offload:
             offloaded = arch.layers * b * L * arch.hidden * residual_bytes(arch, s)
-        layers = held + rope + per_layer  # plus one layer recomputed during backward
-        extra = max(0, loss - per_layer)  # the loss phase: held inputs + head, no recomputed layer
+        kept = (arch.layers - k) * layer_saved_bytes(arch, s, b, L, checkpointed=False)
+        layers = held + rope + max(kept, per_layer)
+        extra = max(kept + loss, per_layer) - max(kept, per_layer)
     else:
         held = 0
         layers = (arch.layers * per_layer - (arch.layers - 1) * mlp_chunk_bytes(arch, s) + rope

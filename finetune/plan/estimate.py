@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 from finetune.plan import loading
 from finetune.plan.activations import (DTYPE_BYTES, MP_BYTES, activation_terms, dora_workspace_bytes,
-                                       embedding_on_cpu, targeted, targeted_experts)
+                                       embedding_on_cpu, targeted, targeted_experts, checkpointing_words)
 from finetune.plan.archs import Arch, resolve
 from finetune.plan.quantized import (expert_weight_bytes, expert_workspace_bytes, experts_4bit, packed_4bit_bytes,
                                      quant_constant_bytes)
@@ -374,7 +374,7 @@ def render(p: Plan) -> str:
              f"{sum(lora_tensor_sizes(p.arch, s)) / 1e6:.1f}M trainable",
              f"  {s.world} process(es) on {s.machines} machine(s), strategy {s.strategy}"
              + (f" (FSDP{s.fsdp_version}{', cpu offload' if s.offload else ''})" if s.strategy == "fsdp" else "")
-             + f", micro-batch {s.micro_batch} x seq {s.seq_len}, checkpointing {'on' if s.checkpointing else 'off'}",
+             + f", micro-batch {s.micro_batch} x seq {s.seq_len}, checkpointing {checkpointing_words(p.arch, s)}",
              f"GPU memory per device: {fmt(p.gpu_bytes_per_device)}" if s.device == "cuda" else
              f"memory per process (a CPU run: in RAM, counted in the CPU RAM below): {fmt(p.gpu_bytes_per_device)}"]
     shown = {k: v for k, v in p.breakdown.items() if k != "framework_overhead" and (v or k != "dora_workspace")}

@@ -11,6 +11,7 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from finetune.plan import checkpointing
 from finetune.plan import estimate as E
 from finetune.plan import launcher
 from finetune.recipe import Recipe, load
@@ -50,7 +51,7 @@ def plan_block(path: str | Path, text: str | None = None) -> list[str]:
     device, size = _gpu_size(text)
     r = load(path)
     s = replace(E.from_recipe(r), gpu_memory=size, device=device)
-    p = E.build(s)
+    p, choice = checkpointing.fit(s, budget_bytes=checkpointing.budget(size, r.model.max_memory_gib))
     bd = p.breakdown
     weights = bd["base_4bit"] + bd["quant_constants"] + bd["unquantized"] + bd.get("experts", 0)
     train = bd["lora"] + bd["gradients"] + bd["optimizer_8bit"] + bd["optimizer_32bit"]
@@ -69,6 +70,7 @@ def plan_block(path: str | Path, text: str | None = None) -> list[str]:
              f"{fmt(bd['framework_overhead'] + bd['dequant_workspace'] + bd['dora_workspace'])}",
              *([f"#   peak allocated {fmt(p.allocated)} + allocator slack and CUDA context "
                 f"{fmt(bd['framework_overhead'])}"] if device == "cuda" else []),
+             *([f"# {choice.line()}"] if r.model.gradient_checkpointing == "auto" else []),
              f"# CPU RAM:     {fmt(p.cpu_bytes_peak)} peak per machine ({max(p.cpu, key=p.cpu.get)})",
              *([f"# loading:     {fmt(p.load_gpu)} per GPU, {fmt(p.cpu['loading'])} CPU RAM per machine "
                 "(streamed, shard by shard)"] if p.load_gpu else []),

@@ -128,10 +128,12 @@ def _precision_problems(r) -> list[Problem]:
         out.append(Problem(level="warning", path="quantization.quant_storage",
                            message=f"{q.quant_storage} storage only matters for FSDP; without it, it just differs "
                                    f"from model.dtype {m.dtype}", fix="leave quantization.quant_storage null"))
-    if m.activation_offloading and not m.gradient_checkpointing:
+    if m.activation_offloading and m.gradient_checkpointing is not True:
+        # a layer that is not checkpointed keeps all its activations, and the offload hooks would move them all
         out.append(Problem(level="error", path="model.activation_offloading",
-                           message="offloads the layer inputs that gradient checkpointing keeps; with "
-                                   "checkpointing off every activation would cross PCIe twice per step",
+                           message="offloads the layer inputs that gradient checkpointing keeps; a layer not "
+                                   "checkpointed (false, auto or a count) would send every activation across PCIe "
+                                   "twice per step",
                            fix="set model.gradient_checkpointing: true, or activation_offloading: false"))
     if m.reentrant_checkpointing and not m.gradient_checkpointing:
         out.append(Problem(level="warning", path="model.reentrant_checkpointing",

@@ -19,8 +19,8 @@ class _Section(BaseModel):
                               allow_inf_nan=False)
 
 
-# Seeds go to torch (a C uint64), Python's random and numpy (uint32): the range all of them accept.
-SEED_MAX = 2**32 - 1
+LAYERS_MAX = 1024  # decoder layers a model may have (405B has 126): the bound of an integer gradient_checkpointing
+SEED_MAX = 2**32 - 1  # seeds go to torch (a C uint64), Python's random and numpy (uint32): the range all accept
 
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -50,22 +50,26 @@ class ModelSpec(_Section):
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     """Attention kernel. flash_attention_2 falls back to sdpa (with a one-line notice) where flash-attn
     or a CUDA GPU is absent."""
-    gradient_checkpointing: bool = True
-    """Recompute activations in the backward pass: much less activation memory for ~30% more compute."""
+    gradient_checkpointing: Union[bool, Literal["auto"], int] = True  # an int: 0..LAYERS_MAX (_checkpointing)
+    """Recompute decoder layers' activations in backward instead of keeping them: much less activation memory
+    for one more forward of each checkpointed layer. true: every layer; false (or 0): none, the fastest where
+    activations fit; N: the first N decoder layers; `auto`: the fewest checkpointed layers whose planned step
+    peak fits the device (the GPU's memory, or on a CPU run the RAM available, capped by `max_memory_gib`),
+    said in one line as `validate` and `estimate` say it. The right setting for a GPU recipe."""
+    max_memory_gib: float | None = Field(None, gt=0)
+    """Cap (GiB) on one device's memory (a CPU run: a process's RAM) that `gradient_checkpointing: auto` and
+    `validate` plan against, below the device's own (room for another job). Null: the device's memory."""
     activation_offloading: bool = False
     """GPU only: move the activations autograd keeps (with checkpointing: each layer's input) to pinned
     CPU memory during the forward pass and copy them back on a side stream ahead of the backward pass
     that needs them. Saves about layers x tokens x hidden x 2 bytes of GPU memory for PCIe traffic;
     `validate` refuses it on a machine without CUDA, where there is no device memory to save."""
     tiled_mlp: Union[bool, int] = False
-    """Run each decoder layer's gated MLP over the sequence in chunks of tokens, in the forward pass and in
-    its backward (each chunk recomputed there, its gradients summed; LoRA inside the MLP included): the
-    [tokens x intermediate] activations then exist for one chunk at a time, which is most of a long
-    sequence's activation memory (3 x 14336 values per token for Llama 3 8B). Gradients are the untiled
-    ones to rounding. true: chunks of `hidden_size` tokens (a chunk's intermediates are then the size of one
-    MLP weight matrix, which the 4-bit matmul dequantizes anyway; ALST/DeepSpeed's rule); N: chunks of N
-    tokens. Costs one more MLP forward per step (the chunk's recomputation). Gated Llama-form MLPs only;
-    MoE blocks are refused by name. See docs/long_context.md."""
+    """Run each decoder layer's gated MLP over the sequence in chunks of tokens, forward and backward (each
+    chunk recomputed there, LoRA included; gradients the untiled ones to rounding): the [tokens x
+    intermediate] activations, most of a long sequence's, exist for one chunk at a time. true: chunks of
+    `hidden_size` tokens (a chunk's intermediates the size of one MLP weight); N: N tokens. Costs one more
+    MLP forward a step. Gated Llama-form MLPs only (MoE refused by name); docs/long_context.md."""
     reentrant_checkpointing: bool = False
     """Use the reentrant checkpoint implementation. Off by default because the non-reentrant one works
     when the checkpointed inputs do not require grad (frozen 4-bit base + LoRA) without the
@@ -80,6 +84,16 @@ class ModelSpec(_Section):
     def _chunk_tokens(cls, v):
         if not isinstance(v, bool) and v < 1:
             raise ValueError("a chunk length in tokens (>= 1), true (chunks of hidden_size tokens) or false")
+        return v
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing(cls, v):
+        text = v.strip().lower() if isinstance(v, str) else None  # one message, not one per union member
+        number = int(text) if text and text.isdigit() else v
+        if not (isinstance(v, bool) or text in ("auto", "true", "false")
+                or type(number) is int and 0 <= number <= LAYERS_MAX):
+            raise ValueError(f"must be true, false, auto or a number of decoder layers from 0 to {LAYERS_MAX}")
         return v
 
 
@@ -279,9 +293,8 @@ class TrainSpec(_Section):
     false: start fresh (refuses a dir with checkpoints); or a checkpoint path."""
     kernels: Literal["none", "liger"] = "none"
     """Fused GPU kernels for the decoder's element-wise modules. `liger`: Liger Kernel's Triton RMSNorm, RoPE and
-    SwiGLU (GeGLU for Gemma) on Llama, Mistral, Qwen 2 / 3, Phi-3 and Gemma 2 / 3 (`pip install
-    'finetune[kernels]'`); the loss stays the chunked head. `validate` refuses it without a CUDA GPU (Triton
-    compiles GPU kernels only) and for other families. `none`: transformers' own modules."""
+    SwiGLU (GeGLU for Gemma) on Llama, Mistral, Qwen 2 / 3, Phi-3 and Gemma 2 / 3 (`pip install 'finetune[kernels]'`;
+    the loss stays the chunked head); refused without a CUDA GPU and for other families. `none`: transformers'."""
 
 
 class EvalSpec(_Section):

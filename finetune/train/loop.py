@@ -60,6 +60,7 @@ from finetune.train.optim import build_optimizer, build_scheduler
 from finetune.train.parallel import has_accelerator_device, host_group, make_accelerator, wrap
 from finetune.train.preference import eval_totals
 from finetune.train.refpolicy import FILE as REFERENCE_FILE
+from finetune.train.recompute import resolve as resolve_checkpointing
 from finetune.train.refpolicy import attach_reference, dpo_key
 from finetune.train.run import Adapters, Optim, Run, Setup, held_out_batches, plan_steps
 from finetune.train.step import global_sum, make_scaler, optimizer_step
@@ -102,6 +103,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         model, plan = load_with_plan(recipe.model, recipe.quantization, placement_for(s.acc))
     with mem.phase("adapters"):
         a = add_adapters(recipe, s, model, plan)
+        mem.checkpointed = a.checkpointed  # memory.json's plan is of the layers that run checkpointed
         resume.adapter_into(a.model)  # now, into the unwrapped model: the wrap shards what it finds
         optim = build_optim(recipe, s, a)
     with mem.phase("wrap"):
@@ -149,7 +151,8 @@ def add_adapters(recipe: Recipe, s: Setup, model: torch.nn.Module, plan=None) ->
     attention allows and the step count; nothing is wrapped yet. `plan`: the load plan of a placeholder
     base (FSDP), which DoRA reads its magnitudes through."""
     t = recipe.train
-    enable_checkpointing(model, recipe.model)
+    checkpointed = resolve_checkpointing(recipe, s.acc)  # auto: the planner's fewest layers that fit
+    enable_checkpointing(model, recipe.model, checkpointed)
     model = apply_lora(model, recipe.lora, seed=t.seed, plan=plan)
     if recipe.lora.init_adapter:  # start from an earlier run's adapter (a resume's checkpoint replaces it next)
         load_adapter_into(model, Path(recipe.lora.init_adapter))
@@ -159,7 +162,7 @@ def add_adapters(recipe: Recipe, s: Setup, model: torch.nn.Module, plan=None) ->
         log.info(f"attention: batches of up to {CPU_MATH_ATTENTION_MAX_LEN} tokens use SDPA's math kernel (on "
                  "CPU in bf16 its backward is about twice as fast as the flash kernel's)")
     _, total_steps = plan_steps(recipe, s.prepared.train, s.acc.num_processes, layout)
-    return Adapters(model, layout, total_steps)
+    return Adapters(model, layout, total_steps, checkpointed)
 
 
 def build_optim(recipe: Recipe, s: Setup, a: Adapters) -> Optim:

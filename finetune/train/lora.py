@@ -135,16 +135,35 @@ def trainable_report(model) -> str:
             f"({100 * c['trainable'] / max(c['params'], 1):.2g}%)")
 
 
-def enable_checkpointing(model, spec: ModelSpec):
-    """Gradient checkpointing per the recipe. Non-reentrant by default: it handles inputs that do not
-    require grad (frozen embeddings before the first adapter) and composes with FSDP2."""
-    if not spec.gradient_checkpointing:
+def enable_checkpointing(model, spec: ModelSpec, layers: int | None = None):
+    """Gradient checkpointing per the recipe: every decoder layer, or (`layers`, train.recompute.resolve) the
+    first that many. Non-reentrant by default: it handles inputs that do not require grad (frozen embeddings
+    before the first adapter) and composes with FSDP2."""
+    if not spec.gradient_checkpointing or layers == 0:
         return
     kwargs = {"use_reentrant": spec.reentrant_checkpointing}
     model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # transformers 5 name
+    if layers is not None:
+        checkpoint_first(model, layers)
     if spec.reentrant_checkpointing:
         # Reentrant checkpointing only builds a graph when an input requires grad.
         model.enable_input_require_grads()
+
+
+def checkpoint_first(model, k: int) -> int:
+    """Leave transformers' per-layer switch (`gradient_checkpointing` of each GradientCheckpointingLayer, set
+    by activation_checkpointing_enable) on for the first `k` decoder layers only. The first, because backward
+    reaches them last: by then every later layer has freed what it saved, so a recomputed layer's working
+    set never stacks on kept activations (the layout plan.activations plans). Returns the layer count."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    blocks = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if k > len(blocks):
+        raise RecipeError([f"model.gradient_checkpointing: {k} layers, but the model has {len(blocks)} decoder "
+                           f"layers. Fix: at most {len(blocks)}, true or auto"])
+    for i, block in enumerate(blocks):
+        block.gradient_checkpointing = i < k
+    return len(blocks)
 
 
 def load_adapter_into(model, adapter_dir: Path):

@@ -15,6 +15,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from finetune.plan import checkpointing as C
 from finetune.plan import estimate as E
 from finetune.plan.disk import output_problems
 from finetune.plan.launcher import launcher_problems
@@ -82,6 +83,11 @@ def model_problems(r: Recipe) -> tuple[list[Problem], object]:
             out.append(Problem(level="error", path="lora.target_modules",
                                message=f"{', '.join(missing)} not in a {arch.model_type} layer (it has "
                                        f"{', '.join(sorted(names))})", fix="use those names, or all-linear"))
+    k = r.model.gradient_checkpointing
+    if type(k) is int and k > arch.layers:
+        out.append(Problem(level="error", path="model.gradient_checkpointing",
+                           message=f"{k} layers, but {name} has {arch.layers} decoder layers",
+                           fix=f"at most {arch.layers} (true checkpoints all), or auto"))
     return out + expert_problems(r, arch), arch
 
 
@@ -237,17 +243,27 @@ def run_device(r: Recipe, path=None, gpu_memory: int | None = None, env=None) ->
     return "cpu" if params <= CPU_PARAMS_LIMIT or env.get(ALLOW_CPU) == "1" else "cuda"
 
 
-def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, cpu_memory: int | None,
-                    device: str = "cuda") -> list[Problem]:
+def checkpointing_plan(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, device: str = "cuda",
+                       cpu_memory: int | None = None):
+    """The plan of the run and its gradient-checkpointing choice (plan.checkpointing: `auto` fitted to
+    `gpu_memory`, or on a CPU run to `cpu_memory`, or model.max_memory_gib below either)."""
     s = replace(E.from_recipe(r), device=device)
-    if device == "cpu":  # the RAM is the device: the machine's, unless --cpu-memory says otherwise
-        gpu_memory, cpu_memory = None, cpu_memory or machine_ram()
     if gpus:
         s = replace(s, gpus=gpus)
         if gpus > 1 and s.strategy == "single":
             s = replace(s, strategy="fsdp")
     s = replace(s, gpu_memory=gpu_memory)
-    plan = E.build(s, arch, "")
+    return C.fit(s, arch, "", C.budget(cpu_memory if device == "cpu" else gpu_memory, r.model.max_memory_gib))
+
+
+def memory_problems(r: Recipe, arch, gpus: int | None, gpu_memory: int | None, cpu_memory: int | None,
+                    device: str = "cuda") -> list[Problem]:
+    if device == "cpu":  # the RAM is the device: the machine's, unless --cpu-memory says otherwise
+        gpu_memory, cpu_memory = None, cpu_memory or machine_ram()
+    else:
+        gpu_memory = C.budget(gpu_memory, r.model.max_memory_gib)  # the recipe's cap is the memory it plans for
+    plan, _ = checkpointing_plan(r, arch, gpus, gpu_memory, device, cpu_memory)
+    s = plan.setup
     out = []
     if gpu_memory and plan.gpu_bytes_per_device > gpu_memory:
         out.append(Problem(level="error", path="train.micro_batch_size",

@@ -45,10 +45,11 @@ class Setup:
 @dataclass(frozen=True)
 class Adapters:
     """add_adapters' values: the PeftModel (not wrapped yet), the packing layout its attention allows (None:
-    dynamic padding) and the run's optimizer step count."""
+    dynamic padding), the run's optimizer step count and the decoder layers checkpointed (None: all)."""
     model: torch.nn.Module
     layout: str | None
     total_steps: int
+    checkpointed: int | None = None
 
 
 @dataclass(frozen=True)

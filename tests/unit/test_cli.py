@@ -95,7 +95,7 @@ def test_validate_refuses_activation_offloading_without_a_gpu(capsys):
 
 def test_estimate_plans_activation_offloading_and_states_allocated_memory(capsys):
     assert cli.main(["estimate", R8, "--json"]) == 0
-    on = cli.main(["estimate", R8, "model.activation_offloading=true", "--json"])
+    on = cli.main(["estimate", R8, "model.activation_offloading=true", "model.gradient_checkpointing=true", "--json"])
     out = capsys.readouterr().out.strip().splitlines()
     plain, offloaded = (json.loads(line) for line in out if line.startswith("{"))
     assert on == 0

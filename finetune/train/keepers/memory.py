@@ -76,6 +76,7 @@ class PhaseMemory:
             # first phase before anything has touched the GPU ("Invalid device argument" on an H200).
             torch.cuda.init()
         self.phases: dict[str, dict] = {}
+        self.checkpointed: int | None = None  # decoder layers checkpointed, when not all (train.recompute)
         # What the process held before the run's first phase (imports, the CUDA context on a GPU): a phase's
         # growth is its peak less this.
         rss = _proc_status_kib("VmRSS")
@@ -135,7 +136,8 @@ class PhaseMemory:
             dist.all_gather_object(ranks, mine)
         if not acc.is_main_process:
             return None
-        plan = planned(recipe, acc.num_processes, self.cuda, max(r["start_rss"] or 0 for r in ranks))
+        plan = planned(recipe, acc.num_processes, self.cuda, max(r["start_rss"] or 0 for r in ranks),
+                       self.checkpointed)
         out = {"kind": "cuda" if self.cuda else "cpu_rss", "ranks": ranks, "plan": plan}
         from finetune.util.atomic import write_text
 
@@ -190,7 +192,7 @@ def peak_sites(trace: list[dict], top: int = 15) -> dict:
             "sites": [{"site": k, "bytes": v, "gib": round(v / 2**30, 3)} for k, v in ranked]}
 
 
-def planned(recipe, world: int, cuda: bool, start_rss: int = 0) -> dict | None:
+def planned(recipe, world: int, cuda: bool, start_rss: int = 0, checkpointed: int | None = None) -> dict | None:
     """`finetune estimate`'s figures for the phases it plans, per process, in bytes, for this run as launched:
     on a GPU what torch counts (the CUDA context and NCCL buffers left out): the load, and the steps' peak
     allocated and reserved; on CPU the machine's planned RAM shared by its processes (load, steps, save).
@@ -202,6 +204,8 @@ def planned(recipe, world: int, cuda: bool, start_rss: int = 0) -> dict | None:
 
     try:
         s = dataclasses.replace(from_recipe(recipe), gpus=world, device="cuda" if cuda else "cpu")
+        if checkpointed is not None:  # the count the run resolved (auto, or N): not the recipe's word
+            s = dataclasses.replace(s, checkpointing=checkpointed)
         p = build(s)
     except (RecipeError, KeyError, ValueError):
         return None
