@@ -25,11 +25,12 @@ from finetune.train.precision import autocast
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def setup_forward(model, activation_offloading: bool):
-    """Once, at setup, on the wrapped model: the memory-lean norms and MLPs go in (lean.apply), and the
-    activation-offloading context is made (offload.setup_offload; None when off or without CUDA), to be
-    handed to every `token_loss_sum`. The loss itself changes no module."""
-    lean.apply(unwrapped(model))
+def setup_forward(model, activation_offloading: bool, compiled=None):
+    """Once, at setup, on the wrapped model: the memory-lean norms and MLPs go in (lean.apply; not inside
+    the layers of `compiled`, finetune.train.compiled's), and the activation-offloading context is made
+    (offload.setup_offload; None when off or without CUDA), to be handed to every `token_loss_sum`. The loss
+    itself changes no module."""
+    lean.apply(unwrapped(model), compiled.inner_modules() if compiled is not None else frozenset())
     return setup_offload(model, activation_offloading)
 
 
