@@ -51,38 +51,34 @@ def logged(run_dir) -> list[dict]:
     return [r for r in rows if "loss" in r]
 
 
-def test_compiled_layers_train_the_eager_losses_and_compile_only_in_step_1(tmp_path, monkeypatch, capsys):
+def test_compiled_layers_train_the_eager_losses_compile_only_in_step_1_and_again_on_resume(tmp_path, monkeypatch,
+                                                                                          capsys):
     lengths = []
     mark = compiled._dynamic_lengths
     monkeypatch.setattr(compiled, "_dynamic_lengths", lambda a, k: (lengths.append(a[0].size(1)), mark(a, k)))
     eager = train(tiny(tmp_path / "eager", False, 50), tmp_path / "eager")
     assert not lengths and "recompiles" not in eager  # compile off: no layer went through the compiled path
-    got = train(tiny(tmp_path / "compiled", True, 50), tmp_path / "compiled")
+    run = tmp_path / "compiled"
+    recipe = tiny(run, True, 50, save_every=45)
+    got = train(recipe, run)
     out = capsys.readouterr().out
     assert "compile: 4 of 4 decoder layers compiled (aot_eager) into 2 graphs" in out  # input needs grad or not
     assert len(set(lengths)) > 5  # batches of many lengths went through the compiled layers ...
-    assert got["recompiles"] == 0 and [r["recompiles"] for r in logged(tmp_path / "compiled")] == [0] * 50  # ... on 2 graphs
-    ref, new = [r["loss"] for r in logged(tmp_path / "eager")], [r["loss"] for r in logged(tmp_path / "compiled")]
+    assert got["recompiles"] == 0 and [r["recompiles"] for r in logged(run)] == [0] * 50  # ... on 2 graphs
+    ref, new = [r["loss"] for r in logged(tmp_path / "eager")], [r["loss"] for r in logged(run)]
     assert len(ref) == len(new) == 50
     assert new == pytest.approx(ref, abs=1e-4)
     assert got["eval_loss"] == pytest.approx(eager["eval_loss"], abs=1e-4)  # evaluation runs the layers eager
 
-
-def test_a_resumed_compiled_run_compiles_again_and_continues_the_same_losses(tmp_path, capsys):
-    run = tmp_path / "run"
-    recipe = tiny(run, True, 6, save_every=3)
-    train(recipe, run)
-    full = logged(run)
-    shutil.rmtree(run / "checkpoints" / "step-6")
+    # A resumed run (as after a crash past step 45) compiles the same graphs again and continues the same losses.
+    shutil.rmtree(run / "checkpoints" / "step-50")
     shutil.rmtree(run / "adapter")
     torch.compiler.reset()  # a new process has no compiled graphs
-    capsys.readouterr()
-    got = train(recipe, run)
+    resumed = train(recipe, run)
     out = capsys.readouterr().out
-    assert "resume: from" in out and "into 2 graphs; step 4 took" in out
-    resumed = logged(run)[len(full):]
-    assert [r["step"] for r in resumed] == [4, 5, 6] and got["recompiles"] == 0
-    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in full[3:]], abs=1e-6)
+    assert "resume: from" in out and "into 2 graphs; step 46 took" in out and "step=46 " in out
+    assert resumed["recompiles"] == 0
+    assert [r["loss"] for r in logged(run)][45:] == pytest.approx(new[45:], abs=1e-6)
 
 
 def test_a_layer_that_cannot_compile_runs_eager_and_says_so(capsys):
