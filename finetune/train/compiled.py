@@ -65,6 +65,25 @@ def _dynamic_lengths(args, kwargs) -> None:
                     torch._dynamo.mark_dynamic(x, d)
 
 
+def _four_bit_linears(layer) -> list:
+    from bitsandbytes.nn import Linear4bit
+
+    return [m for m in layer.modules() if isinstance(m, Linear4bit)]
+
+
+def _restore_quant_states(linears: list) -> None:
+    """Under FSDP2 a layer's 4-bit weight is, once gathered, a plain tensor without its quantization state,
+    which bitsandbytes' Linear4bit.forward re-wraps as a Params4bit on every call: a tensor mutation dynamo
+    refuses ("Failed to mutate tensor data attribute", measured: every layer fell back to eager). Done here,
+    eagerly, after FSDP's pre-forward hook gathered the weights and before the compiled forward, the same
+    bitsandbytes call finds nothing left to do inside the graph. One process: a no-op (the state is there)."""
+    if linears:
+        from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+        for m in linears:
+            fix_4bit_weight_quant_state_from_module(m)
+
+
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The model's decoder layers: transformers' GradientCheckpointingLayer modules (what its checkpointing
     acts on), outermost first, each once."""
@@ -98,6 +117,7 @@ class CompiledLayers:
         self.after_step1: int | None = None
         self.step1_s: float | None = None
         self._t0 = time.perf_counter()
+        self.four_bit = [_four_bit_linears(layer) for layer in self.layers]
         for i, layer in enumerate(self.layers):
             layer.forward = self._forward(i, layer)
 
@@ -112,6 +132,7 @@ class CompiledLayers:
             if i in self.eager or not (layer.training and torch.is_grad_enabled()):
                 return _layer_forward(layer, *args, **kwargs)
             _dynamic_lengths(args, kwargs)
+            _restore_quant_states(self.four_bit[i])
             if i in self.called:
                 return self.fn(layer, *args, **kwargs)
             if not self.called:

@@ -114,7 +114,7 @@ def test_fsdp2_two_processes_compiled_train_the_eager_losses(tmp_path):
     def launch(run_dir, compile: bool):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--config_file",
                str(ROOT / "configs" / "cpu_fsdp.yaml"), "--num_processes", "2", "-m", "finetune",
-               str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), f"output.dir={run_dir}", "train.max_steps=4",
+               str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), f"output.dir={run_dir}", "train.max_steps=4", "train.warmup_steps=1",
                "train.log_every=1", "train.save_every=4", "data.max_samples=64", "output.progress_bar=false",
                "train.mixed_precision=no", "quantization.compute_dtype=float32", "train.optimizer=adamw_torch",
                "model.gradient_checkpointing=true", f"train.compile={str(compile).lower()}", "eval.max_batches=1"]
