@@ -13,7 +13,7 @@ def contract_problems(r) -> list[Problem]:
     d = r.distributed
     return (_storage_problems(r) + process_count_problems(d.strategy, d.num_processes, d.num_machines)
             + _training_problems(r) + _precision_problems(r) + _fsdp_option_problems(r)
-            + lora_method_problems(r))
+            + lora_method_problems(r) + _compile_problems(r))
 
 
 def process_count_problems(strategy: str, processes: int | None, machines: int) -> list[Problem]:
@@ -186,3 +186,16 @@ def _fsdp_option_problems(r) -> list[Problem]:
     return out
 
 
+
+
+def _compile_problems(r) -> list[Problem]:
+    """What `train.compile` cannot compile (finetune.train.compiled), refused before anything loads."""
+    q, lo = r.quantization, r.lora
+    if r.train.compile and lo.use_dora and q.mode in ("nf4", "fp4"):
+        # Measured (torch 2.13, peft 0.21.2): dynamo stops at "Unsupported tensor subclass overridden attribute
+        # access" in every layer, so every layer would fall back to eager.
+        return [Problem(level="error", path="train.compile",
+                        message="peft's DoRA reads the 4-bit weight's quantization state from bitsandbytes' "
+                                "Params4bit (an attribute of a tensor subclass torch.compile cannot trace): no "
+                                "decoder layer would compile", fix="set train.compile: false, or lora.use_dora: false")]
+    return []

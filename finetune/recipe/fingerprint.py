@@ -24,7 +24,7 @@ FREE = ("train.max_steps", "train.epochs", "train.log_every", "train.eval_every"
         "train.keep_checkpoints", "train.resume", "eval.", "output.", "distributed.timeout_minutes",
         "distributed.backend", "model.attn_implementation", "model.gradient_checkpointing",
         "model.reentrant_checkpointing", "model.trust_remote_code", "model.allow_pickle", "fsdp.cpu_offload",
-        "fsdp.backward_prefetch", "fsdp.forward_prefetch")
+        "fsdp.backward_prefetch", "fsdp.forward_prefetch", "train.compile")
 
 
 def _flat(node, prefix: str = "") -> dict:

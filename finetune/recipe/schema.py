@@ -1,8 +1,7 @@
 """The recipe schema: one YAML that describes a whole run, every key typed and checked strictly.
 
 Defaults live here, once, with one docstring per field; no other module repeats them. Reading a file and
-applying overrides is `finetune.recipe.read`; the cross-field rules are `finetune.recipe.contract`.
-"""
+applying overrides is `finetune.recipe.read`; the cross-field rules are `finetune.recipe.contract`."""
 from __future__ import annotations
 
 from typing import Literal, Union
@@ -48,8 +47,7 @@ class ModelSpec(_Section):
     module, so there it needs `lora.dtype` equal to this (or float32 here). float32 (the default for
     `builtin:tiny-llama`, an fp32 checkpoint) is also what fp16 training needs."""
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
-    """Attention kernel. flash_attention_2 falls back to sdpa (with a one-line notice) where flash-attn
-    or a CUDA GPU is absent."""
+    """Attention kernel; flash_attention_2 falls back to sdpa (one line says so) without flash-attn or CUDA."""
     gradient_checkpointing: Union[bool, Literal["auto"], int] = True  # an int: 0..LAYERS_MAX (_checkpointing)
     """Recompute decoder layers' activations in backward instead of keeping them: much less activation memory
     for one more forward of each checkpointed layer. true: every layer; false (or 0): none, the fastest where
@@ -271,10 +269,14 @@ class TrainSpec(_Section):
     on a CPU without native bf16 (no AVX512/AMX), a run computes in fp32 instead (`no`, and
     quantization.compute_dtype float32): bf16 there runs about 10x slower and saves nothing."""
     loss_chunk_tokens: int = Field(0, ge=0)
-    """Trained positions per chunk of the output head and cross-entropy. The loss never holds the logits of
-    all positions: each chunk's logits are computed in the compute dtype, reduced to an fp32 log-sum-exp
-    and recomputed in backward. 0: automatic, so one chunk's fp32 logits take at most 256 MiB (523
-    positions for a 128,256-token vocabulary; all positions at once for a small vocabulary)."""
+    """Trained positions per chunk of the output head and cross-entropy: the loss never holds all positions'
+    logits (each chunk's in the compute dtype, reduced to an fp32 log-sum-exp, recomputed in backward). 0:
+    automatic, one chunk's fp32 logits at most 256 MiB (523 positions of a 128,256-token vocabulary)."""
+
+    compile: bool = False
+    """Compile each decoder layer with torch.compile (inductor; one graph shared by every layer): fused kernels,
+    same losses; step 1 pays the compile (seconds on a GPU, minutes on a small CPU); a layer that cannot compile
+    runs eager and says why. 4-bit bases, LoRA, checkpointing, FSDP1/2 (DoRA on a 4-bit base is refused)."""
 
     @field_validator("mixed_precision", mode="before")
     @classmethod
@@ -289,8 +291,8 @@ class TrainSpec(_Section):
     keep_checkpoints: int = Field(2, ge=1)
     """How many step checkpoints to keep; older ones are deleted after a newer one is complete."""
     resume: Union[Literal["auto"], bool, str] = "auto"
-    """`auto`: continue from the newest complete checkpoint in the output dir if there is one;
-    false: start fresh (refuses a dir with checkpoints); or a checkpoint path."""
+    """`auto`: resume the output dir's newest complete checkpoint if any; false: start fresh (refuses a dir
+    with checkpoints); or a checkpoint path."""
     kernels: Literal["none", "liger"] = "none"
     """Fused GPU kernels for the decoder's element-wise modules. `liger`: Liger Kernel's Triton RMSNorm, RoPE and
     SwiGLU (GeGLU for Gemma) on Llama, Mistral, Qwen 2 / 3, Phi-3 and Gemma 2 / 3 (`pip install 'finetune[kernels]'`;
@@ -360,8 +362,7 @@ class FsdpSpec(_Section):
 
 class OutputSpec(_Section):
     dir: str = "runs/tiny_cpu"
-    """Run directory (recipe, adapter, checkpoints, metrics). Relative paths are taken from the current
-    directory."""
+    """Run directory (recipe, adapter, checkpoints, metrics); a relative path is from the current directory."""
     report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(default_factory=list)
     """Accelerate trackers that receive every metrics.jsonl record (same steps) and, as the run's config, the
     resolved recipe, data stats and memory plan. Each needs its extra: `pip install 'finetune[wandb]'`.

@@ -65,13 +65,14 @@ def _lean_mlp(module):
     return lambda x: module.down_proj(_Recompute.apply(act_mul, module.gate_proj(x), module.up_proj(x)))
 
 
-def apply(model) -> int:
+def apply(model, skip: set[int] = frozenset()) -> int:
     """Swap the forward of every frozen Llama-style RMSNorm and every gated MLP of `model` (once; the
-    class's forward stays untouched). Returns how many modules were swapped."""
+    class's forward stays untouched), but those whose id is in `skip` (modules inside compiled layers:
+    finetune.train.compiled). Returns how many modules were swapped."""
     n = 0
     for m in model.modules():
         name = type(m).__name__
-        if "forward" in vars(m):
+        if "forward" in vars(m) or id(m) in skip:
             continue
         if name in NORMS and not m.weight.requires_grad:
             m.forward = _lean_norm(m)

@@ -13,7 +13,8 @@ The phases of `_train`, in order, each returning what it makes (finetune.train.r
     fill_shards(model, plan)                    -> this rank's shards of the base, filled
     resume.restore(acc, optim, total_steps, key) -> Restored(step, epoch, cursor, tracker_ids, reference):
                                                    optimizer, schedule, RNG, scaler loaded in place
-    setup_forward(model, offloading, tiled_mlp) -> the activation-offloading context (None: off); lean and tiled MLPs in
+    compile_layers(model, train.compile)        -> the compiled decoder layers (None: off; train.compiled)
+    setup_forward(model, offloading, tiled_mlp, compiled) -> the offloading context (None: off); lean, tiled MLPs in
     attach_reference(recipe, run_dir, setup, model, restored.reference) -> DPO's `ref` on every pair
     announce(recipe, run_dir, setup, model, total_steps) -> rank 0: RUN_DIR/recipe.yaml, what trains on what
     prepare_steps(recipe, run_dir, setup, total_steps, restored) -> (held-out batches, Metrics with trackers)
@@ -53,6 +54,7 @@ from finetune.train.keepers.memory import tracker_values
 from finetune.train.keepers.metrics import Metrics
 from finetune.train.keepers.resume import Restored, Resume
 from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
+from finetune.train.compiled import compile_layers
 from finetune.train.lora import apply_lora, enable_checkpointing, load_adapter_into, trainable_report
 from finetune.train.kernels import apply_kernels
 from finetune.train.loss import loss_totals, setup_forward, unwrapped
@@ -115,8 +117,9 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         restored = resume.restore(s.acc, optim, a.total_steps, dpo_key(recipe, s.prepared.stats))
     with mem.phase("forward"):
         apply_kernels(unwrapped(model), recipe.train.kernels)  # first: lean.apply leaves the patched modules be
+        compiled = compile_layers(s.acc.unwrap_model(model), recipe.train.compile)  # None: train.compile off
         # lean modules, tiled MLPs, offloading
-        offload = setup_forward(model, recipe.model.activation_offloading, recipe.model.tiled_mlp)
+        offload = setup_forward(model, recipe.model.activation_offloading, recipe.model.tiled_mlp, compiled)
     if recipe.train.method == "dpo":
         with mem.phase("reference"):  # the starting policy's log-probs of every pair, once (train.refpolicy)
             attach_reference(recipe, run_dir, s, model, restored.reference)
@@ -126,7 +129,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
     run = Run(recipe, run_dir, s.acc, s.tok, s.prepared, s.host_group, model=model, layout=a.layout,
               total_steps=a.total_steps, optimizer=optim.optimizer, scheduler=optim.scheduler,
               scaler=optim.scaler, offload=offload, memory=mem, metrics=metrics, eval_batches=eval_batches,
-              step=restored.step, epoch=restored.epoch, cursor=restored.cursor)
+              step=restored.step, epoch=restored.epoch, cursor=restored.cursor, compiled=compiled)
     return steps(run, stop, return_model)
 
 
@@ -210,6 +213,8 @@ def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
             mem.write(run_dir, run.acc, run.recipe)
             return {"step": run.step, "stopped": True, **last}
         loss, grad_norm, step_tokens = out
+        if run.compiled is not None:
+            run.compiled.step_done(run.step)  # step 1 made the graphs: said once, then counted
         rate.add(step_tokens)
         last = {"loss": loss, "lr": run.scheduler.get_last_lr()[0]}
         run.metrics.step(run.step, **last)
@@ -219,7 +224,8 @@ def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
             run.metrics.log(run.step, epoch=run.epoch, loss=round(loss, 6), lr=last["lr"],
                             grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
                             tokens_per_s=rate.per_second(), **rate.host_and_wall(run), **skipped,
-                            **(run.step_stats or {}))
+                            **(run.step_stats or {}),
+                            **({"recompiles": run.compiled.recompiles()} if run.compiled is not None else {}))
             rate.reset()
         guard.check_step(run, loss, grad_norm, lambda v: global_sum(run.acc, v))  # NaN/inf: stop, never save it
         if t.eval_every and run.step % t.eval_every == 0 and run.eval_batches:
@@ -239,6 +245,8 @@ def finish(run: Run, last: dict, return_model: bool) -> dict:
     mem, final = run.memory, {"step": run.step, **last}
     if run.scaler.enabled:
         final["skipped_steps"] = run.scaler.skipped
+    if run.compiled is not None:
+        final["recompiles"] = run.compiled.recompiles()  # graphs made after step 1 (finetune.train.compiled)
     if run.eval_batches:
         with mem.phase("eval"):
             final.update(evaluate(run))

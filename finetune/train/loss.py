@@ -25,13 +25,13 @@ from finetune.train.precision import autocast
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
-def setup_forward(model, activation_offloading: bool, tiled_mlp=False):
-    """Once, at setup, on the wrapped model: the memory-lean norms and MLPs go in (lean.apply), then the
-    tiled MLPs of `model.tiled_mlp` around them (tiled.apply), and the activation-offloading context is made
-    (offload.setup_offload; None when off or without CUDA), to be handed to every `token_loss_sum`. The
-    loss itself changes no module."""
+def setup_forward(model, activation_offloading: bool, tiled_mlp=False, compiled=None):
+    """Once, at setup, on the wrapped model: the memory-lean norms and MLPs go in (lean.apply; not inside
+    the layers of `compiled`, finetune.train.compiled's), then the tiled MLPs of `model.tiled_mlp` around them
+    (tiled.apply), and the activation-offloading context is made (offload.setup_offload; None when off or
+    without CUDA), to be handed to every `token_loss_sum`. The loss itself changes no module."""
     base = unwrapped(model)
-    lean.apply(base)
+    lean.apply(base, compiled.inner_modules() if compiled is not None else frozenset())
     cfg = getattr(base, "config", None)
     tiled.apply(base, tiled_mlp, getattr(getattr(cfg, "text_config", None) or cfg, "hidden_size", 0))
     return setup_offload(model, activation_offloading)

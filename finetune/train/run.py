@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from finetune.data.prepare import Prepared
+    from finetune.train.compiled import CompiledLayers
     from finetune.train.keepers.memory import PhaseMemory
     from finetune.train.keepers.metrics import Metrics
     from finetune.train.offload import ActivationOffload
@@ -87,6 +88,7 @@ class Run:
     cursor: int = 0
     step_stats: dict | None = None
     host_s: float = 0.0  # host CPU time of the steps since the last logged one (train.step.optimizer_step)
+    compiled: CompiledLayers | None = None  # train.compile's layers (finetune.train.compiled; None: off)
     batches: batching.EpochBatches = field(init=False)
 
     def __post_init__(self):

@@ -332,3 +332,26 @@ def test_llama_cpp_converter_hook_is_there():
     method = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "get_vocab_base_pre")
     assert [a.arg for a in method.args.args] == ["self", "tokenizer"]
     assert any(isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "chktxt" for n in ast.walk(method))
+
+
+def test_dynamo_counts_graphs_and_a_marked_dimension_reuses_one():
+    """train/compiled.py counts recompiles as dynamo's `counters["stats"]["unique_graphs"]` and marks the
+    sequence dimension dynamic (`torch._dynamo.mark_dynamic`): a second length then reuses the graph, and
+    each graph made counts one."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    def f(x):
+        return (x * 2).sum(-1)
+
+    torch.compiler.reset()
+    fn, start = torch.compile(f, backend="eager", fullgraph=True), counters["stats"]["unique_graphs"]
+    for n in (5, 7):
+        x = torch.ones(2, n)
+        torch._dynamo.mark_dynamic(x, 1)
+        assert fn(x).tolist() == [2.0 * n] * 2
+    assert counters["stats"]["unique_graphs"] - start == 1
+    fixed = torch.compile(lambda x: (x + 1).sum(-1), backend="eager", fullgraph=True, dynamic=False)
+    fixed(torch.ones(2, 5)), fixed(torch.ones(2, 7))
+    assert counters["stats"]["unique_graphs"] - start == 3  # one graph per length without the mark
+    torch.compiler.reset()
