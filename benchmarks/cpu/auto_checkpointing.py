@@ -10,7 +10,7 @@ alternating A B C / C B A. Per arm: the planner's choice (its one log line), tra
 1e-5), and the steps' peak RSS against the plan of the layers that ran (RUN_DIR/memory.json). The cap is the
 planner's own per-process figure with half the layers checkpointed, so `auto` under it must pick about half.
 
-Goals (issue 48): tokens/s of `auto` (none) >= 1.2x and of `auto` capped >= 1.08x every layer's; losses equal
+Goals: tokens/s of `auto` (none) >= 1.2x and of `auto` capped >= 1.08x every layer's; losses equal
 to 1e-5 over 20 steps; each arm's peak RSS within the planner's CPU accuracy of its plan (15%); the capped arm's
 peak within its cap. On 2 shared cores a step of this model takes many seconds: `--steps` trades time for
 noise.

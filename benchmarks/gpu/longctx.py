@@ -4,7 +4,7 @@ data.max_seq_len the planner says fits (finetune.plan.longest, the `estimate --m
 card, and again within 24 GiB (torch.cuda.set_per_process_memory_fraction, benchmarks/gpu/capped.py): 2
 optimizer steps each, loss finite, the steps' peak against the plan.
 
-The goal (issue 50): >= 500,000 tokens on an 80 GB card and >= 128,000 within 24 GiB, peak within 10% of
+The goal: >= 500,000 tokens on an 80 GB card and >= 128,000 within 24 GiB, peak within 10% of
 the plan. The dry run trains the tiny stand-in at 256 tokens with a 32-token tiled MLP (offloading needs
 CUDA) and records the planner's answers for the real 8B on 80 and 24 GiB, which cost no device.
 """

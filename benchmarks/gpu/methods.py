@@ -105,7 +105,7 @@ def moe_speed_names(dry: bool) -> tuple[str, str]:
 def stage_moe_speed(work: Path, sh_: dict) -> dict:
     """Grouped 4-bit experts at full depth, LoRA on attention and experts, 2 x seq: tokens/s and peak against
     the plan; the per-expert loop (FINETUNE_MOE_EXPERTS=per_expert) on 4 layers beside it, compared per layer.
-    The goal (issue 49): >= 2,600 trained tokens/s, <= 20 GiB peak allocated, planned within 10%."""
+    The goal: >= 2,600 trained tokens/s, <= 20 GiB peak allocated, planned within 10%."""
     full, short = moe_speed_names(sh_["device"] == "cpu")
     lora = {"target_parameters": "auto", "dropout": 0.0}
     steps, out = sh_["warmup"] + (2 if sh_["device"] == "cpu" else 4), {}

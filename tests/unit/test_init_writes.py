@@ -1,4 +1,4 @@
-"""`finetune init` writes what it validates (issue 51 item 7): values serialized by the YAML library and the file
+"""`finetune init` writes what it validates: values serialized by the YAML library and the file
 validated as read back, nothing left behind when validation fails, no writing through a link at -o, and a DPO
 recipe for preference pairs. In-process (cli.main) on the builtin tiny model and 40 pairs of its preference data."""
 

@@ -1,6 +1,6 @@
 """Every file a verb writes goes through the no-follow temporary and the rename, and its names are the run dir's
-written names (issue 51 item 8); names that land in generated files are checked (item 13); the quantizer's
-binary and output are judged by what they are (item 12). In-process and on tiny files: no model, no training."""
+written names; names that land in generated files are checked; the quantizer's binary and output are judged
+by what they are. In-process and on tiny files: no model, no training."""
 import json
 import os
 
