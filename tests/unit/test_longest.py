@@ -70,7 +70,12 @@ def test_tiled_mlp_term_keeps_one_chunk_of_the_mlp():
     assert chunk == mlp_saved_bytes(arch, s, 4096)  # true: chunks of hidden_size (4096) tokens
     # the layer keeps the MLP's bf16 input instead of its adapters' inputs and intermediates at full length
     saved = plain["_per_layer"] - tiled["_per_layer"]
-    assert saved == mlp_saved_bytes(arch, s, t) - t * 4096 * 2 - chunk
+    # and its backward's working set: the untiled MLP's six [tokens x 14336] tensors; tiled, one chunk's six
+    # are less than attention's gradients of q, k, v and output at full length, which become the larger
+    assert plain["_transient"] == 6 * t * 14336 * 2
+    assert tiled["_transient"] == t * (2 * 4096 + 2 * 1024) * 2 > 6 * 4096 * 14336 * 2
+    assert saved == (mlp_saved_bytes(arch, s, t) - t * 4096 * 2 - chunk
+                     + plain["_transient"] - tiled["_transient"])
     assert saved > 2 * t * 14336 * 2  # most of it the lean MLP's two [tokens x 14336] bf16 intermediates
     assert tiled["activations"] - plain["activations"] == -saved
     assert mlp_chunk_bytes(arch, replace(s, tiled_mlp=True, seq_len=4096)) == 0  # one chunk: not tiled
