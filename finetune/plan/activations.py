@@ -130,7 +130,12 @@ def backward_transient_bytes(arch: Arch, s) -> int:
     which keeps its activation's output; two ungated), per chunk when tiled. Measured: the untiled arm of
     benchmarks/cpu/long_context.py peaked 0.66 GiB above the plan without it. Attention's holds the output's
     gradient and those of q, k and v (and of the [T x T] probabilities where the kernel keeps them).
-    MoE experts see routed tokens and are planned by experts_saved_bytes alone."""
+    MoE experts see routed tokens and are planned by experts_saved_bytes alone.
+    Counted on CPU only, where it is measured: the GPU runs on record (benchmarks/RESULTS_GPU.md, 8B widths at
+    2 x 2048 on an H100) peaked 0.12-0.19 GiB above the plan without it, where it would add 0.66 GiB; what
+    CUDA's backward keeps beyond the saved tensors needs a GPU measurement (docs/long_context.md)."""
+    if s.device == "cuda":
+        return 0
     t = s.micro_batch * s.seq_len
     cb = MP_BYTES[s.mixed_precision]
     q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim

@@ -104,8 +104,7 @@ def test_estimate_plans_activation_offloading_and_states_allocated_memory(capsys
     assert plain["gpu_bytes_allocated"] - offloaded["gpu_bytes_allocated"] > 1.9 * 2**30
     # ...and land in pinned CPU memory
     assert offloaded["cpu_bytes"]["training"] - plain["cpu_bytes"]["training"] > 1.9 * 2**30
-    # what stays: weights 5.3 GiB, adapter state, one layer recomputed with its backward working set (0.66 GiB)
-    assert offloaded["gpu_bytes_allocated"] <= 6.5 * 2**30
+    assert offloaded["gpu_bytes_allocated"] <= 6.0 * 2**30
 
 
 def _finished_run_files(run: Path) -> Path:
