@@ -122,6 +122,33 @@ def mlp_chunk_bytes(arch: Arch, s) -> int:
     return mlp_saved_bytes(arch, s, min(t, tile_tokens(arch, s))) if tiled(arch, s, t) else 0
 
 
+def backward_transient_bytes(arch: Arch, s) -> int:
+    """One layer's backward working set beyond what it saved: the larger of its attention's and its MLP's,
+    which run one after the other. The gated MLP's backward holds, beside its kept gate and up outputs, the
+    gradient arriving from down_proj, the recomputed activation output and product (the lean MLP), and the
+    gradients of up, of the activation and of gate: six [tokens x intermediate] tensors (four for HF's MLP,
+    which keeps its activation's output; two ungated), per chunk when tiled. Measured: the untiled arm of
+    benchmarks/cpu/long_context.py peaked 0.66 GiB above the plan without it. Attention's holds the output's
+    gradient and those of q, k and v (and of the [T x T] probabilities where the kernel keeps them).
+    MoE experts see routed tokens and are planned by experts_saved_bytes alone.
+    Counted on CPU only, where it is measured: the GPU runs on record (benchmarks/RESULTS_GPU.md, 8B widths at
+    2 x 2048 on an H100) peaked 0.12-0.19 GiB above the plan without it, where it would add 0.66 GiB; what
+    CUDA's backward keeps beyond the saved tensors needs a GPU measurement (docs/long_context.md)."""
+    if s.device == "cuda":
+        return 0
+    t = s.micro_batch * s.seq_len
+    cb = MP_BYTES[s.mixed_precision]
+    q, kv = arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    attn = t * (2 * q + 2 * kv) * cb
+    if s.attn == "eager" or (s.attn == "sdpa" and uses_cpu_math_kernel(s.device, s.mixed_precision, s.seq_len)):
+        attn += s.micro_batch * arch.heads * s.seq_len * s.seq_len * 4
+    if arch.experts:
+        return attn
+    n = (6 if lean(arch, s) else 4) if arch.gated_mlp() else 2
+    mlp_t = min(t, tile_tokens(arch, s)) if tiled(arch, s, t) else t
+    return max(attn, n * mlp_t * arch.intermediate * mlp_bytes(arch, s))
+
+
 def shared_lora_inputs(arch: Arch, s, t: int, names: set) -> int:
     """Adapter inputs counted above that are one tensor in fact. On CUDA, without dropout and with the
     residual stream already in the compute dtype, every adapter's A keeps the very tensor its layer's
@@ -296,6 +323,7 @@ def activation_terms(arch: Arch, s) -> dict[str, int]:
     `logits_loss`: what the loss phase needs beyond that (0 when the recomputed layer is the larger);
     their sum is the activation part of the peak. `_offloaded`: bytes moved to pinned CPU memory."""
     b, L = s.micro_batch, s.seq_len
+    transient = backward_transient_bytes(arch, s)  # one layer's backward at a time
     per_layer = layer_saved_bytes(arch, s, b, L) + mlp_chunk_bytes(arch, s)  # one layer's chunk at a time
     rope = 2 * L * arch.head_dim * 4  # cos/sin tables, shared by all layers
     head = head_saved_bytes(arch, s, b, L)
@@ -310,15 +338,18 @@ def activation_terms(arch: Arch, s) -> dict[str, int]:
         if s.activation_offload:
             offloaded = arch.layers * b * L * arch.hidden * residual_bytes(arch, s)
         kept = (arch.layers - k) * layer_saved_bytes(arch, s, b, L, checkpointed=False)
-        layers = held + rope + max(kept, per_layer)
-        extra = max(kept + loss, per_layer) - max(kept, per_layer)
+        # a kept layer's backward or a recomputed one's, with one layer's backward working set on top
+        working = max(kept, per_layer) + transient
+        layers = held + rope + working
+        extra = max(0, kept + loss - working)  # the end of the forward: kept layers + the loss phase
     else:
         held = 0
         layers = (arch.layers * per_layer - (arch.layers - 1) * mlp_chunk_bytes(arch, s) + rope
-                  - first_layer_discount(arch, s, b * L))
-        extra = loss  # every layer's saved tensors are still there when the loss runs
-    return {"activations": layers, "logits_loss": extra, "_held": held + rope, "_per_layer": per_layer,
-            "_head_saved": head, "_offloaded": offloaded}
+                  - first_layer_discount(arch, s, b * L) + transient)
+        # every layer's saved tensors are still there when the loss runs; the layers' backwards come after it
+        extra = max(0, loss - transient)
+    return {"activations": layers, "logits_loss": extra, "_held": held + rope, "_per_layer": per_layer + transient,
+            "_head_saved": head, "_offloaded": offloaded, "_transient": transient}
 
 
 def embedding_on_cpu(arch, s) -> int:

@@ -56,6 +56,7 @@ from finetune.train.keepers.resume import Restored, Resume
 from finetune.train.keepers.trackers import Trackers, accelerator_kwargs
 from finetune.train.compiled import compile_layers
 from finetune.train.lora import apply_lora, enable_checkpointing, load_adapter_into, trainable_report
+from finetune.train.sdpa import attention_setup
 from finetune.train.kernels import apply_kernels
 from finetune.train.loss import loss_totals, setup_forward, unwrapped
 from finetune.train.optim import build_optimizer, build_scheduler
@@ -120,6 +121,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         compiled = compile_layers(s.acc.unwrap_model(model), recipe.train.compile)  # None: train.compile off
         # lean modules, tiled MLPs, offloading
         offload = setup_forward(model, recipe.model.activation_offloading, recipe.model.tiled_mlp, compiled)
+        # which attention runs, and on CUDA SDPA only its memory-linear kernels; recorded in memory.json
+        mem.attention = attention_setup(unwrapped(model), s.acc.device, recipe.train.mixed_precision)
     if recipe.train.method == "dpo":
         with mem.phase("reference"):  # the starting policy's log-probs of every pair, once (train.refpolicy)
             attach_reference(recipe, run_dir, s, model, restored.reference)

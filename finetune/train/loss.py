@@ -14,7 +14,7 @@ from accelerate.utils import extract_model_from_parallel
 from finetune.data import encode
 from finetune.plan.attention import uses_cpu_math_kernel
 from finetune.plan.logits import chunk_rows
-from finetune.train import lean, tiled
+from finetune.train import lean, sdpa, tiled
 from finetune.train.offload import setup_offload
 from finetune.data.transfer import to_device
 from finetune.train.precision import autocast
@@ -278,11 +278,14 @@ def trained_rows(hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 
 
 def attention_kernels(device_type: str, mixed_precision: str, seq_len: int):
-    """Context manager restricting SDPA to the kernel `uses_cpu_math_kernel` picks (a no-op otherwise)."""
-    if uses_cpu_math_kernel(device_type, mixed_precision, seq_len):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
+    """Context manager restricting SDPA to the kernel `uses_cpu_math_kernel` picks, or on CUDA to the
+    memory-linear kernels that finetune.train.sdpa found to accept the run (a no-op otherwise)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if uses_cpu_math_kernel(device_type, mixed_precision, seq_len):
         return sdpa_kernel(SDPBackend.MATH)
+    if device_type == "cuda" and sdpa.linear_backends_on():
+        return sdpa_kernel([getattr(SDPBackend, name) for name in sdpa.LINEAR])
     return contextlib.nullcontext()
 
 

@@ -74,3 +74,24 @@ def test_tiled_mlp_term_keeps_one_chunk_of_the_mlp():
     assert saved > 2 * t * 14336 * 2  # most of it the lean MLP's two [tokens x 14336] bf16 intermediates
     assert tiled["activations"] - plain["activations"] == -saved
     assert mlp_chunk_bytes(arch, replace(s, tiled_mlp=True, seq_len=4096)) == 0  # one chunk: not tiled
+
+
+def test_one_layers_backward_working_set_is_planned_on_cpu_where_it_was_measured():
+    # benchmarks/cpu/long_context.py's model at 16,384 tokens, fp32 on CPU: the untiled lean MLP's backward
+    # holds six [tokens x 1792] tensors beyond its saved ones (measured there: plan within 5% with them, 38%
+    # under without); tiled, one chunk's six are less than attention's q, k, v and output gradients
+    from benchmarks.cpu.long_context import model_name, recipe
+    from finetune.plan.activations import backward_transient_bytes
+    from finetune.plan.estimate import from_recipe
+
+    t = 16384
+    plain = replace(from_recipe(recipe(model_name(2, 512), t, False)), device="cpu")
+    tiled = replace(plain, tiled_mlp=True)
+    arch = E.build(plain).arch
+    assert backward_transient_bytes(arch, plain) == 6 * t * 1792 * 4
+    assert backward_transient_bytes(arch, tiled) == t * (2 * 512 + 2 * 128) * 4 > 6 * 512 * 1792 * 4
+    terms = activation_terms(arch, plain)
+    assert terms["_transient"] == 6 * t * 1792 * 4 and terms["activations"] - activation_terms(
+        arch, replace(plain, tiled_mlp=True))["activations"] > 6 * (t - 512) * 1792 * 4
+    # not on CUDA: the GPU runs on record peaked below what it would add (docs/long_context.md)
+    assert backward_transient_bytes(arch, replace(plain, device="cuda")) == 0

@@ -77,6 +77,7 @@ class PhaseMemory:
             torch.cuda.init()
         self.phases: dict[str, dict] = {}
         self.checkpointed: int | None = None  # decoder layers checkpointed, when not all (train.recompute)
+        self.attention: dict | None = None  # which attention kernels ran (finetune.train.sdpa), set at setup
         # What the process held before the run's first phase (imports, the CUDA context on a GPU): a phase's
         # growth is its peak less this.
         rss = _proc_status_kib("VmRSS")
@@ -139,6 +140,9 @@ class PhaseMemory:
         plan = planned(recipe, acc.num_processes, self.cuda, max(r["start_rss"] or 0 for r in ranks),
                        self.checkpointed)
         out = {"kind": "cuda" if self.cuda else "cpu_rss", "ranks": ranks, "plan": plan}
+        plan = planned(recipe, acc.num_processes, self.cuda, max(r["start_rss"] or 0 for r in ranks))
+        out = {"kind": "cuda" if self.cuda else "cpu_rss", "ranks": ranks, "plan": plan,
+               "attention": self.attention}  # finetune.train.sdpa's record (rank 0's: every rank runs the same)
         from finetune.util.atomic import write_text
 
         write_text(run_dir / "memory.json", json.dumps(out, indent=1) + "\n")
