@@ -111,3 +111,25 @@ def _embedded_default_first(request):
         return
     if any("embedded_default" in getattr(item, "fixturenames", ()) for item in request.session.items):
         request.getfixturevalue("embedded_default")
+
+
+def nonzero_adapters(model, std: float = 0.05):
+    """Every lora_B drawn (peft starts it at zero), so every LoRA tensor gets a gradient."""
+    import torch
+
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, std)
+    return model
+
+
+def tiny_lora_fp32(tiny_model_dir):
+    """The builtin tiny model, 4-bit with fp32 dequantization, LoRA r=8 without dropout, adapters non-zero."""
+    from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
+    from finetune.train.lora import apply_lora
+    from finetune.weights.load.model import load_model
+
+    model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False),
+                       QuantizationSpec(compute_dtype="float32"), quiet=True)
+    return nonzero_adapters(apply_lora(model, LoraSpec(r=8, dropout=0.0), seed=0))

@@ -9,13 +9,12 @@ from finetune.data import batching as B
 from finetune.data import encode as E
 from finetune.recipe import DataSpec, LoraSpec, ModelSpec, QuantizationSpec, TrainSpec
 
+from .conftest import tiny_lora_fp32
+
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_dir):
     from transformers import AutoTokenizer
-
-    from finetune.train.lora import apply_lora
-    from finetune.weights.load.model import load_model
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [{"prompt": f"reverse: {' '.join(['red', 'cat', 'sun', 'dog', 'fox'][: 1 + i % 5])}\n",
@@ -23,13 +22,7 @@ def setup(tiny_model_dir):
     batch = B.collate([E.encode(r, "auto", tok, DataSpec()) for r in rows], tok.pad_token_id)
     # fp32 dequantization: with mixed_precision "no" nothing then rounds to bf16, so two correct
     # computations of the same loss agree to fp32 rounding (bf16 matmuls would turn 1e-7 into 1e-3)
-    model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False),
-                       QuantizationSpec(compute_dtype="float32"), quiet=True)
-    model = apply_lora(model, LoraSpec(r=8, dropout=0.0), seed=0)
-    with torch.no_grad():  # non-zero adapters, so every LoRA tensor gets a gradient
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    model = tiny_lora_fp32(tiny_model_dir)  # non-zero adapters: every LoRA tensor gets a gradient
     return model, batch
 
 

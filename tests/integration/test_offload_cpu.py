@@ -6,6 +6,8 @@ import torch
 
 from finetune.recipe import TrainSpec
 
+from .conftest import nonzero_adapters
+
 
 def test_offloaded_layer_inputs_come_back_one_ahead_and_change_nothing():
     from peft import LoraConfig, get_peft_model
@@ -19,10 +21,7 @@ def test_offloaded_layer_inputs_come_back_one_ahead_and_change_nothing():
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     model = get_peft_model(LlamaForCausalLM(cfg), LoraConfig(r=8, lora_dropout=0.0, target_modules="all-linear",
                                                              task_type="CAUSAL_LM"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    nonzero_adapters(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1))

@@ -3,22 +3,17 @@ recompute in backward (and only they), the loss and every adapter gradient are t
 of all, and what autograd keeps falls between the two."""
 import torch
 
-from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
+from finetune.recipe import ModelSpec
+
+from .conftest import tiny_lora_fp32
 
 
 def test_first_n_layers_recompute_with_the_same_loss_and_gradients(tiny_model_dir):
     from benchmarks.cpu.memcheck import SavedTensorMeter
-    from finetune.train.lora import apply_lora, enable_checkpointing
-    from finetune.weights.load.model import load_model
+    from finetune.train.lora import enable_checkpointing
 
     # fp32 dequantization and no autocast: two correct computations agree to fp32 rounding
-    model = load_model(ModelSpec(name=str(tiny_model_dir), gradient_checkpointing=False),
-                       QuantizationSpec(compute_dtype="float32"), quiet=True)
-    model = apply_lora(model, LoraSpec(r=8, dropout=0.0), seed=0)
-    with torch.no_grad():  # non-zero adapters, so every LoRA tensor gets a gradient
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    model = tiny_lora_fp32(tiny_model_dir)  # non-zero adapters: every LoRA tensor gets a gradient
     model.train()
     layers = model.get_base_model().model.layers
     calls = [0] * len(layers)

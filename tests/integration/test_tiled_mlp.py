@@ -5,8 +5,9 @@ blocks are refused by name. The 4-bit tiny model's case is in test_loop_loss.py 
 import pytest
 import torch
 
-from finetune.recipe import LoraSpec, ModelSpec, QuantizationSpec
 from finetune.util.errors import RecipeError
+
+from .conftest import nonzero_adapters
 
 TOL = 1e-5
 
@@ -40,10 +41,7 @@ def synthetic_llama():
     model = LlamaForCausalLM(cfg)
     model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules="all-linear",
                                              task_type="CAUSAL_LM"))
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.05)
+    nonzero_adapters(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()  # dropout on: each chunk's masks must be drawn again in backward
     return model
