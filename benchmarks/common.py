@@ -25,6 +25,9 @@ def child_env(threads: int | None = None) -> dict:
     env = {**os.environ, "TQDM_DISABLE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONWARNINGS": "ignore"}
     # Benchmarks train models that are large for a CPU on purpose (the preflight would refuse them).
     env["FINETUNE_ALLOW_CPU"] = "1"
+    # Nothing here downloads (synthetic and builtin models): offline from the start, as `finetune train` sets
+    # it for itself, so a warm process (benchmarks/gpu/warm.py) imports the hub's library as its commands run.
+    env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)

@@ -12,6 +12,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # starts (set before torch is imported; tests that compare runs already pin OMP_NUM_THREADS=1).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# `finetune train` sets HF_HUB_OFFLINE=1 before the hub's library is imported (finetune/commands/train.py); the
+# suite's in-process training would set it part way through the run, so it is set from the start: the warm
+# process (run_cli) then imports as a training command does, and the commands' environment stays the one it
+# imported under. A fresh interpreter (run_cli's fresh=True) starts without it, as a user's shell does.
+USER_HAS_OFFLINE = "HF_HUB_OFFLINE" in os.environ
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The environment the suite started with: the warm process imports under it, whatever a test that happens to
+# start it has patched (a server started under a test's HF_HOME would send every later command cold).
+START_ENV = dict(os.environ)
+
 pytest_plugins = ["tests.durations"]  # --durations-file: where the suite's time goes (CI keeps it)
 
 
@@ -64,6 +74,8 @@ def run_cli(args, cwd=None, timeout=600, env=None, fresh=False, input=None):
     import subprocess
 
     e = dict(os.environ)
+    if fresh and not USER_HAS_OFFLINE:
+        e.pop("HF_HUB_OFFLINE", None)
     e.update(env or {})
     cmd = [sys.executable, "-m", "finetune", *args]
     sock = None if fresh or os.environ.get("FINETUNE_TESTS_COLD") == "1" else _warm_server()
@@ -94,7 +106,7 @@ def _warm_server():
 
         folder = Path(tempfile.mkdtemp(prefix="warm-"))  # short: a socket's path holds at most 107 bytes
         sock = folder / "sock"
-        env = {k: v for k, v in os.environ.items() if k != ENV}
+        env = {k: v for k, v in START_ENV.items() if k != ENV}
         with open(folder / "log", "w") as log:  # what its imports print (each command prints it again)
             p = subprocess.Popen([sys.executable, "-m", "benchmarks.gpu.warm", "serve", str(sock),
                                   ",".join(WARM_PRELOAD)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,

@@ -36,9 +36,11 @@ PRELOAD = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datas
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Variables the preloaded libraries read at import (huggingface_hub's and datasets' paths and offline mode,
 # transformers' verbosity, torch's and CUDA's switches, the thread pools), and the home their caches default
-# under. torchrun's own TORCHELASTIC_* variables are read at run time, not at import.
+# under. What torchrun sets for its workers (TORCHELASTIC_*, TORCH_NCCL_ASYNC_ERROR_HANDLING) and
+# TOKENIZERS_PARALLELISM are read at run time.
+RUN_TIME_ENV = ("TORCHELASTIC_", "TORCH_NCCL_")
 IMPORT_ENV = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DATASETS_", "TORCH_", "PYTORCH_", "CUDA_", "NVIDIA_",
-              "BNB_", "BITSANDBYTES_", "TOKENIZERS_", "SAFETENSORS_", "PEFT_", "TRITON_", "XDG_", "LD_", "MKL_",
+              "BNB_", "BITSANDBYTES_", "SAFETENSORS_", "PEFT_", "TRITON_", "XDG_", "LD_", "MKL_",
               "KMP_", "OPENBLAS_", "HOME", "PYTHONHASHSEED", "PYTHONSAFEPATH")
 _SERVER_MAIN = None
 _IMPORT_OUTPUT = (b"", b"")  # what the server's imports wrote to stdout and stderr, for every command to print
@@ -189,7 +191,7 @@ def _captured(preload: tuple[str, ...]) -> tuple[bytes, bytes]:
 
 
 def _import_env(env) -> dict:
-    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV) and not k.startswith("TORCHELASTIC_")}
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_ENV) and not k.startswith(RUN_TIME_ENV)}
 
 
 def handle(conn: socket.socket) -> dict:

@@ -102,15 +102,36 @@ def run(trained_run, tmp_path):
     return copy
 
 
+PHASE_SETTINGS = {"threads": 1, "together": True, "eval_batches": 1}  # test_phase_memory.py says why
+
+
+@pytest.fixture(scope="session")
+def phase_memory_big(tmp_path_factory):
+    """benchmarks/cpu/phase_rss.py on the 2 GB synthetic Llama (one process, FSDP2 and FSDP1 side by side:
+    about 3 minutes), once per test run; test_phase_memory.py reads its result."""
+    import json
+
+    from tests.conftest import once_per_run
+
+    def build(root):
+        from benchmarks.cpu import phase_rss
+
+        (root / "result.json").write_text(json.dumps(phase_rss.run(layers=16, **PHASE_SETTINGS)))
+
+    return json.loads((once_per_run(tmp_path_factory, "phase-memory-big", build) / "result.json").read_text())
+
+
 @pytest.fixture(scope="session", autouse=True)
-def _embedded_default_first(request):
-    """The embedded default (~2 minutes on one thread) is built before anything else when a collected test
-    needs it, by one worker (the other goes on with its tests): xdist's loadscope hands out modules by their
-    number of tests, largest first, so its 2-test module came last and its run was the suite's tail."""
-    if os.environ.get("PYTEST_XDIST_WORKER", "gw1") != "gw1":
-        return
-    if any("embedded_default" in getattr(item, "fixturenames", ()) for item in request.session.items):
-        request.getfixturevalue("embedded_default")
+def _longest_first(request):
+    """The two longest runs are built before anything else when a collected test needs them, each by one
+    worker while the other goes on: the embedded default (~2 minutes on one thread) on gw1, the 2 GB
+    phase-memory runs (~3 minutes) on gw0. xdist's loadscope hands out modules by their number of tests,
+    largest first, so their small modules came last and each was the suite's tail."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    wanted = set().union(*(getattr(item, "fixturenames", ()) for item in request.session.items))
+    for name, on in (("embedded_default", ("gw1", "")), ("phase_memory_big", ("gw0", ""))):
+        if worker in on and name in wanted:
+            request.getfixturevalue(name)
 
 
 def nonzero_adapters(model, std: float = 0.05):

@@ -17,20 +17,19 @@ import pytest
 
 from benchmarks.cpu import phase_rss
 
+from .conftest import PHASE_SETTINGS
+
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
-
-
-SETTINGS = {"threads": 1, "together": True, "eval_batches": 1}
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return phase_rss.run(model="builtin:tiny-llama", **SETTINGS)
+    return phase_rss.run(model="builtin:tiny-llama", **PHASE_SETTINGS)
 
 
 @pytest.fixture(scope="module")
-def big():
-    return phase_rss.run(layers=16, **SETTINGS)
+def big(phase_memory_big):  # built first by one worker (conftest._longest_first): it was the suite's tail
+    return phase_memory_big
 
 
 @pytest.mark.parametrize("which", ["tiny", "big"])

@@ -309,8 +309,11 @@ def test_offline_switches_are_module_globals_read_at_call_time():
     from datasets.utils import file_utils
 
     saved = datasets.config.HF_HUB_OFFLINE, hub_constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
-    try:
+    try:  # the suite runs with HF_HUB_OFFLINE=1 (tests/conftest.py): off first, so the switch is seen to work
+        datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = False
+        assert not hub_constants.is_offline_mode()
+        file_utils._raise_if_offline_mode_is_enabled()
+        datasets.config.HF_HUB_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
         assert hub_constants.is_offline_mode()
         with pytest.raises(ConnectionError):
             file_utils._raise_if_offline_mode_is_enabled()
