@@ -87,6 +87,28 @@ def run_cli(args, cwd=None, timeout=600, env=None, fresh=False, input=None):
     return subprocess.run(cmd, cwd=cwd or ROOT, capture_output=True, text=True, timeout=timeout, env=e, input=input)
 
 
+def warm_launch(cmd, env=None):
+    """A multi-process launch, `python -m accelerate.commands.launch|torch.distributed.run FLAGS -m MODULE ARGS`
+    (or `FLAGS WORKER.py ARGS`), with its launcher and each rank forked from this worker's warm process as
+    run_cli forks one command: returns (command, environment). The launcher's flags stay as given; each rank's
+    script becomes `benchmarks/gpu/warm.py -m MODULE ARGS` (or `warm.py WORKER.py ARGS`), a client that forwards
+    its signals and exit status, so to the launcher it is an ordinary child. Tests whose subject is a process
+    (a killed launcher, a dying rank, `accelerate launch` as a user types it) launch cold, as does every launch
+    under FINETUNE_TESTS_COLD=1."""
+    e = dict(os.environ if env is None else env)
+    sock = None if os.environ.get("FINETUNE_TESTS_COLD") == "1" else _warm_server()
+    if sock is None:
+        return list(cmd), e
+    from benchmarks.gpu.warm import ENV
+
+    assert cmd[1] == "-m" and cmd[2] in ("accelerate.commands.launch", "torch.distributed.run"), cmd
+    # where the rank's command starts: the launcher's `-m MODULE`, or its worker script
+    at = next(i for i in range(3, len(cmd)) if cmd[i] == "-m" or cmd[i].endswith(".py"))
+    e[ENV] = str(sock)
+    warm = str(ROOT / "benchmarks" / "gpu" / "warm.py")
+    return [cmd[0], warm, "-m", cmd[2], *cmd[3:at], warm, *cmd[at:]], e
+
+
 WARM_PRELOAD = ("finetune.util.log",  # first, as the CLI imports it first: it quiets a bitsandbytes import notice
                 "torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "safetensors", "tokenizers")
 _warm = {}

@@ -2,6 +2,7 @@
 
     python -m benchmarks.gpu.warm serve SOCKET [M,..] # the server: imports the libraries (or M,..) once, forks
     python -m benchmarks.gpu.warm -m MODULE ARGS...  # `python -m MODULE ARGS...`, run in a fork of the server
+    python -m benchmarks.gpu.warm SCRIPT ARGS...     # `python SCRIPT ARGS...` (the tests' 2-process workers)
 
 On 2 CPU cores a dry-run command spends ~5 s importing torch, transformers, bitsandbytes, peft, accelerate and
 datasets, and under a second on its tiny model: with some 40 commands the imports were most of the dry run.
@@ -81,12 +82,13 @@ def _unbuffered() -> bool:
 
 
 def client(argv: list[str]) -> int:
-    """`-m MODULE ARGS`: through the server when there is one, else exec'd cold."""
+    """`-m MODULE ARGS` or `SCRIPT ARGS`: through the server when there is one, else exec'd cold."""
     if argv[:1] in (["-h"], ["--help"]):
-        print(f"usage: python -m benchmarks.gpu.warm -m MODULE ARGS... | serve SOCKET [MODULES]\n\n{__doc__}")
+        print(f"usage: python -m benchmarks.gpu.warm -m MODULE ARGS... | SCRIPT ARGS... | serve SOCKET [MODULES]"
+              f"\n\n{__doc__}")
         return 0
-    if len(argv) < 2 or argv[0] != "-m":
-        sys.exit("usage: python -m benchmarks.gpu.warm -m MODULE ARGS... | serve SOCKET [MODULES]")
+    if not argv or argv[0] == "-m" and len(argv) < 2 or argv[0].startswith("-") and argv[0] != "-m":
+        sys.exit("usage: python -m benchmarks.gpu.warm -m MODULE ARGS... | SCRIPT ARGS... | serve SOCKET [MODULES]")
     stdio = []
     for fd in (0, 1, 2):
         try:
@@ -261,10 +263,13 @@ def run(req: dict) -> None:
     os.environ.clear()
     os.environ.update(req["env"])
     argv = req["argv"]
-    module, args = argv[1], argv[2:]
-    sys.argv = [module, *args]
-    # sys.path as the client's interpreter has it: what -m puts first (the working directory), its PYTHONPATH
-    sys.path[:] = [req["cwd"], *_pythonpath(os.environ), *(p for p in sys.path[1:] if p not in served)]
+    script = None if argv[0] == "-m" else os.path.abspath(argv[0])
+    module, args = (argv[1], argv[2:]) if script is None else (None, argv[1:])
+    sys.argv = [module or argv[0], *args]
+    # sys.path as the client's interpreter has it: what -m puts first (the working directory) or a script's
+    # folder, then its PYTHONPATH
+    first = req["cwd"] if script is None else os.path.dirname(script)
+    sys.path[:] = [first, *_pythonpath(os.environ), *(p for p in sys.path[1:] if p not in served)]
     importlib.invalidate_caches()
     unbuffered = bool(req["unbuffered"] or os.environ.get("PYTHONUNBUFFERED"))
     sys.stdout.reconfigure(line_buffering=unbuffered or os.isatty(1), write_through=unbuffered)
@@ -284,7 +289,10 @@ def run(req: dict) -> None:
     sys.modules["__main__"] = types.ModuleType("__main__")
     code = 0
     try:
-        runpy._run_module_as_main(module, alter_argv=True)
+        if script is None:
+            runpy._run_module_as_main(module, alter_argv=True)
+        else:
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         code = e.code
     except KeyboardInterrupt:

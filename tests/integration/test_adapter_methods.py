@@ -15,7 +15,7 @@ import torch
 from finetune import recipe as R
 from finetune.train.loop import train
 
-from ..conftest import ROOT
+from ..conftest import ROOT, warm_launch
 
 pytestmark = pytest.mark.slow
 
@@ -158,8 +158,8 @@ def _launch_dora(run, version: int, *extra: str) -> float:
            str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), f"fsdp.version={version}", f"output.dir={run}",
            f"train.max_steps={STEPS}", "train.warmup_steps=4", f"train.save_every={STEPS}", "data.max_samples=512",
            "output.progress_bar=false", "lora.use_dora=true", *extra]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd, env = warm_launch(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert json.loads((run / "adapter" / "adapter_config.json").read_text())["use_dora"]
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

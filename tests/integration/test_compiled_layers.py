@@ -19,7 +19,7 @@ from finetune import recipe as R
 from finetune.train import compiled
 from finetune.train.loop import train
 
-from ..conftest import ROOT
+from ..conftest import ROOT, warm_launch
 
 pytestmark = pytest.mark.slow
 STRICT = {"mixed_precision": "no", "optimizer": "adamw_torch"}
@@ -118,7 +118,7 @@ def test_fsdp2_two_processes_compiled_train_the_eager_losses(tmp_path):
                "train.log_every=1", "train.save_every=4", "data.max_samples=64", "output.progress_bar=false",
                "train.mixed_precision=no", "quantization.compute_dtype=float32", "train.optimizer=adamw_torch",
                "model.gradient_checkpointing=true", f"train.compile={str(compile).lower()}", "eval.max_batches=1"]
-        env = dict(os.environ, OMP_NUM_THREADS="1", **{compiled.BACKEND_ENV: "aot_eager"})
+        cmd, env = warm_launch(cmd, dict(os.environ, OMP_NUM_THREADS="1", **{compiled.BACKEND_ENV: "aot_eager"}))
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
         assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
         return p.stdout + p.stderr

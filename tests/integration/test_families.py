@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ..conftest import warm_launch
 from .families import FAMILIES, ROOT, model_name, overrides
 
 pytestmark = pytest.mark.slow
@@ -108,7 +109,7 @@ def test_families_train_and_resume_under_fsdp2(tmp_path):
     """One torchrun launch, two processes, every family: train 2 steps, checkpoint, resume to 3."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "integration" / "families_worker.py"), str(tmp_path), *FAMILIES]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd, env = warm_launch(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     for family, spec in FAMILIES.items():

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ..conftest import warm_launch
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 HERE = Path(__file__).resolve().parent
@@ -48,8 +50,9 @@ fsdp_config:
 def _run(out: Path, launcher: list[str], nproc: int, *args: str) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([*launcher, str(WORKER), str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=400)
+    cmd = [*launcher, str(WORKER), str(out), *args]
+    cmd, env = warm_launch(cmd, env) if nproc > 1 else (cmd, env)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     ranks = [json.loads((out / f"facts-rank{r}.json").read_text()) for r in range(nproc)]
     return {"out": out, "stdout": proc.stdout, "ranks": ranks}

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ..conftest import ROOT, run_cli
+from ..conftest import ROOT, run_cli, warm_launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
@@ -26,7 +26,7 @@ def launch(run_dir, version, extra=()):
            "--fsdp_version", str(version), "--num_processes", "2", "-m", "finetune",
            str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), f"fsdp.version={version}", f"output.dir={run_dir}",
            *COMMON, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    cmd, env = warm_launch(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p.stdout + p.stderr

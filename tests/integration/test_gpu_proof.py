@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ..conftest import warm_launch
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.slow]
 
@@ -132,8 +134,9 @@ def test_fsdp2_keeps_packed_bytes_bit_for_bit_when_most_read_as_bf16_nans(tmp_pa
            "train": {"micro_batch_size": 4, "max_steps": 2, "warmup_steps": 1}, "output": {"dir": str(tmp_path / "run")}}
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(rec))
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "-m", "benchmarks.gpu.bytecheck", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    cmd, env = warm_launch([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                            "-m", "benchmarks.gpu.bytecheck", str(path)])
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("{")][-1])
     assert res["world"] == 2 and res["storage"] == "bfloat16"

@@ -16,6 +16,7 @@ import json
 import pytest
 import torch
 
+from ..conftest import warm_launch
 from .families import ROOT
 from .moe4bit import BASES, EXPERTS, hub_layout
 
@@ -246,8 +247,8 @@ def test_fsdp_shards_the_packed_experts_and_the_loss_falls(tmp_path, version):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "integration" / "moe4bit_worker.py"), str(tmp_path), version,
            *(f"{f}={d}" for f, d in dirs.items())]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd, env = warm_launch(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     for family in BASES:
         losses = [json.loads(line)["loss"] for line in (tmp_path / family / "metrics.jsonl").read_text().splitlines()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from tests import killpoints as KP
 
-from ..conftest import ROOT
+from ..conftest import ROOT, warm_launch
 from .procs import alive, fork_cli, metrics, trained_steps, wait_pid
 from .test_fsdp_train import COMMON, STRICT, launch, single_run
 
@@ -68,7 +68,8 @@ def test_two_process_ddp_matches_one_process(tmp_path, tmp_path_factory):
     run = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", "0", "--multi_gpu", "--num_processes", "2", "-m", "finetune",
            str(ROOT / "recipes" / "tiny_cpu_fsdp.yaml"), "distributed.strategy=ddp", f"output.dir={run}", *COMMON, *extra]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd, env = warm_launch(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     ref, got = pref_metrics(single), pref_metrics(run)
     assert len(got) == len(ref) == 20

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ..conftest import warm_launch
+
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,8 +30,9 @@ def _run(out: Path, model: str, nproc: int, *args: str) -> list[dict]:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     if nproc == 1:
         launcher, args = [sys.executable], (*args, "--strategy", "single")
-    p = subprocess.run([*launcher, str(WORKER), str(out), model, *args], env=env, capture_output=True, text=True,
-                       timeout=300)
+    cmd = [*launcher, str(WORKER), str(out), model, *args]
+    cmd, env = warm_launch(cmd, env) if nproc > 1 else (cmd, env)
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
 
@@ -66,10 +69,11 @@ def _two_machines(out: Path, model: str) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     logs = [out.parent / f"{out.name}-node{n}.log" for n in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                               f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}",
-                               str(WORKER), str(out), model, "--version", "2"],
-                              env=env, stdout=logs[n].open("w"), stderr=subprocess.STDOUT) for n in (0, 1)]
+    cmds = [warm_launch([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                         f"--node_rank={n}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                         str(WORKER), str(out), model, "--version", "2"], env) for n in (0, 1)]
+    procs = [subprocess.Popen(cmd, env=e, stdout=logs[n].open("w"), stderr=subprocess.STDOUT)
+             for n, (cmd, e) in enumerate(cmds)]
     codes = [p.wait(timeout=300) for p in procs]
     assert codes == [0, 0], "\n".join(log.read_text()[-3000:] for log in logs)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]

@@ -88,6 +88,24 @@ def test_a_command_runs_as_python_m_would_in_the_clients_place(server, tmp_path)
                    "forked": True}  # the server's fork leads a session of its own; a cold start does not
 
 
+def test_a_script_runs_as_python_script_would(server, tmp_path):
+    # the tests' 2-process workers run as scripts: argv[0] is the script, its folder leads sys.path (a sibling
+    # module imports), it runs as __main__
+    folder = tmp_path / "workers"
+    folder.mkdir()
+    (folder / "sibling.py").write_text("NAME = 'sibling'\n")
+    (folder / "worker.py").write_text(
+        "import json, os, sys\nimport sibling\n"
+        "print(json.dumps({'argv': sys.argv, 'path0': sys.path[0], 'main': __name__, 'sibling': sibling.NAME,"
+        " 'forked': os.getsid(0) == os.getpid()}))\nsys.exit(5)\n")
+    cmd, kw = _client(tmp_path, server[0])
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu.warm", str(folder / "worker.py"), "a b"],
+                       capture_output=True, text=True, timeout=60, **kw)
+    assert p.returncode == 5, p.stderr
+    assert json.loads(p.stdout) == {"argv": [str(folder / "worker.py"), "a b"], "path0": str(folder),
+                                    "main": "__main__", "sibling": "sibling", "forked": True}
+
+
 def test_signals_reach_the_command_and_its_end_reaches_the_caller(server, tmp_path):
     cmd, kw = _client(tmp_path, server[0], "wait", str(tmp_path / "pid"))
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, **kw)
