@@ -89,9 +89,9 @@ def run_cli(args, cwd=None, timeout=600, env=None, fresh=False, input=None):
 
 def warm_launch(cmd, env=None):
     """A multi-process launch, `python -m accelerate.commands.launch|torch.distributed.run FLAGS -m MODULE ARGS`
-    (or `FLAGS WORKER.py ARGS`), with its launcher and each rank forked from this worker's warm process as
+    (or FLAGS and a worker script with its ARGS), with its launcher and each rank forked from this worker's warm process as
     run_cli forks one command: returns (command, environment). The launcher's flags stay as given; each rank's
-    script becomes `benchmarks/gpu/warm.py -m MODULE ARGS` (or `warm.py WORKER.py ARGS`), a client that forwards
+    script becomes `benchmarks/gpu/warm.py -m MODULE ARGS` (or warm.py before the worker script), a client that forwards
     its signals and exit status, so to the launcher it is an ordinary child. Tests whose subject is a process
     (a killed launcher, a dying rank, `accelerate launch` as a user types it) launch cold, as does every launch
     under FINETUNE_TESTS_COLD=1."""
