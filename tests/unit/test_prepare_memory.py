@@ -8,7 +8,7 @@ import pytest
 from finetune.data import prepare as P
 from finetune.recipe import DataSource, DataSpec
 
-ROWS = 20_000
+ROWS = 5_000
 WORDS = "apple river stone cloud green quick seven north paper light music table window garden".split()
 
 
