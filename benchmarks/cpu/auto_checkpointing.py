@@ -36,8 +36,10 @@ CPU_ACCURACY = 0.15  # the planner's documented bound (docs/planner_accuracy.md,
 
 
 def overrides(model: str, warmup: int, steps: int, micro_batch: int) -> list[str]:
-    """The tiny recipe on `model`, trimmed to a timing run that logs every step (each step's loss)."""
-    return [f"model.name={model}", f"train.max_steps={warmup + steps}", "train.log_every=1",
+    """The tiny recipe on `model`, trimmed to a timing run that logs every step (each step's loss), packed."""
+    # data.packing: every row of a step is max_seq_len tokens, the batch the planner plans (unpacked, the tiny
+    # rows are shorter than max_seq_len, and the plan of the kept activations is their worst case: +20% here)
+    return [f"model.name={model}", f"train.max_steps={warmup + steps}", "train.log_every=1", "data.packing=true",
             "train.warmup_steps=1", f"train.micro_batch_size={micro_batch}", "train.save_every=null",
             "train.eval_every=null", "data.eval_sources=[]", "data.eval_split=0", "output.progress_bar=false",
             "train.resume=false"]

@@ -1,6 +1,8 @@
 """model.gradient_checkpointing: N on the 4-bit + LoRA tiny model, in process: the first N decoder layers
 recompute in backward (and only they), the loss and every adapter gradient are those of no checkpointing and
 of all, and what autograd keeps falls between the two."""
+import json
+
 import torch
 
 from finetune.recipe import ModelSpec
@@ -71,3 +73,21 @@ def test_auto_on_a_cpu_run_plans_against_ram_or_the_cap_and_says_so(capsys):
     assert resolve(R.load(tiny, ["model.gradient_checkpointing=auto", "model.max_memory_gib=0.01"]), acc) == 4
     assert "does not fit even so" in capsys.readouterr().out
     assert resolve(R.load(tiny, ["model.gradient_checkpointing=3"]), acc) == 3
+
+
+def test_memory_json_plans_the_layers_the_run_checkpointed(tmp_path):
+    """RUN_DIR/memory.json's plan is of the count the run resolved (auto, or N), not of the recipe's word:
+    `auto` that chose 0 of 4 layers is compared with the plan of 0, which keeps every layer's activations."""
+    from accelerate import Accelerator
+
+    from finetune import recipe as R
+    from finetune.train.keepers.memory import PhaseMemory, planned
+
+    rec = R.load("recipes/tiny_cpu.yaml", ["model.gradient_checkpointing=auto"])
+    mem = PhaseMemory.for_this_process()
+    mem.checkpointed = 0
+    plan = mem.write(tmp_path, Accelerator(cpu=True), rec)["plan"]
+    start = mem.start_rss
+    assert plan == planned(rec, 1, False, start, 0)
+    assert plan["steps"] > planned(rec, 1, False, start, 4)["steps"]  # keeping activations plans more
+    assert json.loads((tmp_path / "memory.json").read_text())["plan"] == plan

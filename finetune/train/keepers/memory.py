@@ -139,8 +139,6 @@ class PhaseMemory:
             return None
         plan = planned(recipe, acc.num_processes, self.cuda, max(r["start_rss"] or 0 for r in ranks),
                        self.checkpointed)
-        out = {"kind": "cuda" if self.cuda else "cpu_rss", "ranks": ranks, "plan": plan}
-        plan = planned(recipe, acc.num_processes, self.cuda, max(r["start_rss"] or 0 for r in ranks))
         out = {"kind": "cuda" if self.cuda else "cpu_rss", "ranks": ranks, "plan": plan,
                "attention": self.attention}  # finetune.train.sdpa's record (rank 0's: every rank runs the same)
         from finetune.util.atomic import write_text
