@@ -6,7 +6,7 @@ experts of moe4bit.WIDE (32 experts, top-4), fp32:
   gradient checkpointing too) and the adapters before it;
 - the real loop trains it: aux_loss in metrics.jsonl at every logged step and in the log, and the adapters
   end elsewhere than with the weight 0 from the same start; with 0 nothing of it is asked or logged;
-- that run's step plan (memory.json) is within 15% of its measured peak RSS (issue 49's must-show 3).
+- that run's step plan (memory.json) is within 15% of its measured peak RSS.
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_the_loop_trains_and_logs_it_and_zero_leaves_it_out(tmp_path):
     assert on[0]["loss"] == off[0]["loss"]  # the same start: step 1's cross-entropy is the same
     moved = [n for n in trained if "self_attn" in n and (trained[n] - plain[n]).abs().max() > 1e-7]
     assert moved, "the balance term changed no adapter"
-    # Must-show 3 of issue 49: the planner's step plan of this grouped MoE run (RUN_DIR/memory.json's `plan`,
+    # The planner's step plan of this grouped MoE run (RUN_DIR/memory.json's `plan`,
     # the CPU RAM of the steps phase) within 15% of the peak RSS the run measured in that phase. In bf16 on a
     # CPU with native bf16 the MoE step's RSS grows step after step instead (docs/families.md): fp32 here.
     peak, plan = memory["ranks"][0]["phases"]["steps"]["peak_rss"], memory["plan"]["steps"]
