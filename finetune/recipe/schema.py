@@ -69,9 +69,8 @@ class ModelSpec(_Section):
     `hidden_size` tokens (a chunk's intermediates the size of one MLP weight); N: N tokens. Costs one more
     MLP forward a step. Gated Llama-form MLPs only (MoE refused by name); docs/long_context.md."""
     reentrant_checkpointing: bool = False
-    """Use the reentrant checkpoint implementation. Off by default because the non-reentrant one works
-    when the checkpointed inputs do not require grad (frozen 4-bit base + LoRA) without the
-    `enable_input_require_grads` hack, and composes with FSDP2; reentrant is kept for old setups."""
+    """Use the reentrant checkpoint implementation (old setups). Off: the non-reentrant one works when the checkpointed
+    inputs do not require grad (frozen 4-bit base + LoRA) without `enable_input_require_grads`, composes with FSDP2."""
     trust_remote_code: bool = False
     """Allow a model repository to run its own Python code. Off: only architectures transformers ships."""
     allow_pickle: bool = False
@@ -103,9 +102,8 @@ class QuantizationSpec(_Section):
     compute_dtype: DType = "bfloat16"
     """Dtype the 4-bit weights are dequantized to for each matmul."""
     quant_storage: DType | Literal["uint8"] | None = None
-    """Dtype the packed 4-bit bytes are stored in. Null means `model.dtype`, which FSDP needs: it shards
-    and gathers the storage tensor like any parameter, so it must share the other parameters' dtype
-    (uint8 cannot be flattened by FSDP1 at all)."""
+    """Dtype the packed 4-bit bytes are stored in. Null means `model.dtype`, which FSDP needs: it shards and gathers
+    the storage tensor like any parameter, so it must share the other parameters' dtype (FSDP1 cannot flatten uint8)."""
 
 
 class LoraSpec(_Section):
@@ -272,7 +270,9 @@ class TrainSpec(_Section):
     """Trained positions per chunk of the output head and cross-entropy: the loss never holds all positions'
     logits (each chunk's in the compute dtype, reduced to an fp32 log-sum-exp, recomputed in backward). 0:
     automatic, one chunk's fp32 logits at most 256 MiB (523 positions of a 128,256-token vocabulary)."""
-
+    router_aux_loss_coef: float | None = Field(None, ge=0)
+    """MoE models: weight of the router's load-balancing loss (the family's own auxiliary loss, logged as `aux_loss`)
+    in the trained loss. Null: the model config's `router_aux_loss_coef`; 0: off. Refused on a dense model."""
     compile: bool = False
     """Compile each decoder layer with torch.compile (inductor; one graph shared by every layer): fused kernels,
     same losses; step 1 pays the compile (seconds on a GPU, minutes on a small CPU); a layer that cannot compile

@@ -45,7 +45,7 @@ from finetune.plan.attention import CPU_MATH_ATTENTION_MAX_LEN, cpu_math_kernel_
 from finetune.recipe import Recipe
 from finetune.recipe.fingerprint import fingerprint
 from finetune.recipe.rundir import write_recipe
-from finetune.train import guard
+from finetune.train import balance, guard
 from finetune.train.gather import gather_full_adapter_state
 from finetune.train.keepers import checkpoint, runlock
 from finetune.train.keepers.memory import PhaseMemory
@@ -187,6 +187,8 @@ def announce(recipe: Recipe, run_dir: Path, s: Setup, model: torch.nn.Module, to
     stats = s.prepared.stats
     log.info(f"model: {trainable_report(model)}; data: {stats['rows']} rows, "
              f"{stats['trained_tokens']} trained tokens; {total_steps} steps")
+    if balance.coefficient(recipe.train, s.acc.unwrap_model(model)):
+        log.info(balance.words(recipe.train, s.acc.unwrap_model(model)))
     infos, warns = data_notes(recipe.data, stats)  # where eval rows come from; what the length policy dropped
     log.info("\n".join(infos)), [log.warning(w) for w in warns]
 
@@ -219,12 +221,13 @@ def steps(run: Run, stop: StopSignal, return_model: bool) -> dict:
         if run.compiled is not None:
             run.compiled.step_done(run.step)  # step 1 made the graphs: said once, then counted
         rate.add(step_tokens)
-        last = {"loss": loss, "lr": run.scheduler.get_last_lr()[0]}
+        aux = {} if run.step_aux is None else {"aux_loss": round(run.step_aux, 6)}  # MoE balance, beside the loss
+        last = {"loss": loss, **aux, "lr": run.scheduler.get_last_lr()[0]}
         run.metrics.step(run.step, **last)
         if run.step % t.log_every == 0 or run.step == run.total_steps or run.step == 1:
             skipped = ({"skipped_steps": run.scaler.skipped, "loss_scale": run.scaler.scale_value()}
                        if run.scaler.enabled else {})
-            run.metrics.log(run.step, epoch=run.epoch, loss=round(loss, 6), lr=last["lr"],
+            run.metrics.log(run.step, epoch=run.epoch, loss=round(loss, 6), **aux, lr=last["lr"],
                             grad_norm=None if grad_norm is None else round(float(grad_norm), 6),
                             tokens_per_s=rate.per_second(), **rate.host_and_wall(run), **skipped,
                             **(run.step_stats or {}),

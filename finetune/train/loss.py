@@ -14,7 +14,7 @@ from accelerate.utils import extract_model_from_parallel
 from finetune.data import encode
 from finetune.plan.attention import uses_cpu_math_kernel
 from finetune.plan.logits import chunk_rows
-from finetune.train import lean, sdpa, tiled
+from finetune.train import balance, lean, sdpa, tiled
 from finetune.train.offload import setup_offload
 from finetune.data.transfer import to_device
 from finetune.train.precision import autocast
@@ -53,7 +53,8 @@ def device_batch(batch: dict, device) -> dict:
     return to_device(host, device) if device is not None else host
 
 
-def token_loss_sum(model, batch: dict, device_type: str, train_spec, offload=None) -> tuple[torch.Tensor, int]:
+def token_loss_sum(model, batch: dict, device_type: str, train_spec, offload=None, aux: list | None = None
+                   ) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropy over trained tokens, and their count.
 
     Summing (not averaging) per micro-batch lets the caller divide by the tokens of the whole optimizer
@@ -63,33 +64,48 @@ def token_loss_sum(model, batch: dict, device_type: str, train_spec, offload=Non
     logits are recomputed in backward (`chunked_head_loss`): [tokens x vocab] logits never exist at once.
     With `offload` (model.activation_offloading on CUDA: offload.setup_offload's context, made once at
     setup) the forward runs under it. Nothing here changes the model: the memory-lean modules are put in
-    once, at setup (lean.apply). Callers run it, and its backward, inside `batch_kernels`."""
-    return token_losses(model, batch, device_type, train_spec, offload, reduction="sum")
+    once, at setup (lean.apply). Callers run it, and its backward, inside `batch_kernels`. `aux`: see
+    `token_losses`."""
+    return token_losses(model, batch, device_type, train_spec, offload, reduction="sum", aux=aux)
 
 
-def token_losses(model, batch: dict, device_type: str, train_spec, offload=None, reduction: str = "none"):
+def token_losses(model, batch: dict, device_type: str, train_spec, offload=None, reduction: str = "none",
+                 aux: list | None = None):
     """(the cross-entropy of every trained token, in row-major order of the batch's trained positions, [N];
     or with reduction "sum" their sum, as `token_loss_sum` returns it; and N). Preference losses sum the
     per-token values per sequence (finetune.train.preference). Only input_ids, attention_mask and
-    position_ids of the batch reach the model."""
+    position_ids of the batch reach the model. With a list `aux` (an MoE run training the router's balance
+    loss) the forward also computes the model's own load-balancing loss, appended to `aux` (finetune.train.balance);
+    without it the forward is asked nothing more."""
     if "rows" not in batch:  # a caller that did not use device_batch: the same result, worked out here
         batch = device_batch(batch, batch["labels"].device)
     rows, targets = batch["rows"], batch["targets"]
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids") if k in batch}
     base = unwrapped(model)
     offloading = offload() if offload is not None else contextlib.nullcontext()
+    if aux is not None:
+        inputs["output_router_logits"] = True  # the model returns its balance loss (no labels: not added to any loss)
     if chunkable(base):
         with head_computes_loss(base, rows, targets, train_spec.loss_chunk_tokens, reduction) as called, \
                 autocast(train_spec, device_type), offloading:
-            loss = model(**inputs, use_cache=False).logits  # the head returned the loss
+            out = model(**inputs, use_cache=False)
+            loss = out.logits  # the head returned the loss
         _check_head_called(base, called)
+        _keep_aux(out, aux)
         return loss, targets.numel()
     with trained_rows_only(model, rows), autocast(train_spec, device_type), offloading:
-        logits = model(**inputs, use_cache=False).logits  # [trained tokens, vocab]
+        out = model(**inputs, use_cache=False)
+        logits = out.logits  # [trained tokens, vocab]
+    _keep_aux(out, aux)
     if logits.dim() != 2 or logits.size(0) != targets.numel():
         _check_head_called(base, [])
     loss = F.cross_entropy(logits.float(), targets, reduction=reduction)  # fp32 loss under bf16 autocast
     return loss, targets.numel()
+
+
+def _keep_aux(output, aux: list | None) -> None:
+    if aux is not None:
+        aux.append(balance.read_aux(output).float())
 
 
 _UNWRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

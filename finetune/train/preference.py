@@ -52,11 +52,12 @@ def orpo_odds(chosen_mean, rejected_mean):
     return F.logsigmoid(log_odds), log_odds
 
 
-def sequence_logps(model, batch: dict, device_type: str, train_spec, offload=None):
-    """(summed log-prob of each sequence's scored tokens [2B], their count [2B]) in one forward."""
+def sequence_logps(model, batch: dict, device_type: str, train_spec, offload=None, aux: list | None = None):
+    """(summed log-prob of each sequence's scored tokens [2B], their count [2B]) in one forward (`aux`: an
+    MoE router's balance loss appended, as finetune.train.loss.token_losses does)."""
     if "rows" not in batch:
         batch = device_batch(batch, batch["labels"].device)
-    losses, _ = token_losses(model, batch, device_type, train_spec, offload)
+    losses, _ = token_losses(model, batch, device_type, train_spec, offload, aux=aux)
     labels = batch["labels"]
     scored = labels[:, 1:] != encode.IGNORE  # the positions token_losses scored, in the same row-major order
     # each scored position's sequence, from the flat positions worked out on the host (no wait for the GPU)
@@ -71,10 +72,10 @@ def pair_units(batch: dict) -> tuple[int, int]:
     return pairs, int((batch["labels"][:pairs, 1:] != encode.IGNORE).sum())
 
 
-def pair_loss(model, batch: dict, device_type: str, train_spec, offload=None, norm=(1.0, 1.0)):
+def pair_loss(model, batch: dict, device_type: str, train_spec, offload=None, norm=(1.0, 1.0), aux=None):
     """(the micro-batch's share of the step loss, the detached sums of STAT_KEYS): `pair_losses` of the
-    batch's per-sequence log-probs, from one forward of its 2B sequences."""
-    logps, counts = sequence_logps(model, batch, device_type, train_spec, offload)
+    batch's per-sequence log-probs, from one forward of its 2B sequences (`aux`: see sequence_logps)."""
+    logps, counts = sequence_logps(model, batch, device_type, train_spec, offload, aux)
     return pair_losses(logps, counts, batch.get("ref_logps"), train_spec, norm)
 
 

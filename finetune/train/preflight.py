@@ -21,6 +21,7 @@ from finetune.plan.disk import output_problems
 from finetune.plan.launcher import launcher_problems
 from finetune.recipe import Recipe, contract_problems
 from finetune.recipe.init_adapter import init_adapter_problems
+from finetune.train import balance
 from finetune.train.kernels import kernel_problems
 from finetune.train.keepers.trackers import tracker_problems
 from finetune.util.errors import Problem
@@ -62,7 +63,7 @@ def _path_like(name: str) -> bool:
 
 def model_problems(r: Recipe) -> tuple[list[Problem], object]:
     """Problems found from the model's shapes; also returns the Arch (or None)."""
-    from finetune.plan.archs import resolve
+    from finetune.plan.archs import find_config, resolve
 
     name = r.model.name
     if _path_like(name) and not os.path.isdir(os.path.expanduser(name)):
@@ -88,7 +89,7 @@ def model_problems(r: Recipe) -> tuple[list[Problem], object]:
         out.append(Problem(level="error", path="model.gradient_checkpointing",
                            message=f"{k} layers, but {name} has {arch.layers} decoder layers",
                            fix=f"at most {arch.layers} (true checkpoints all), or auto"))
-    return out + expert_problems(r, arch), arch
+    return out + expert_problems(r, arch) + balance.problems(r, arch, find_config(name)[0]), arch
 
 
 def expert_problems(r: Recipe, arch) -> list[Problem]:

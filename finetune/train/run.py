@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from finetune.data import batching
+from finetune.train import balance
 from finetune.recipe import Recipe
 from finetune.util.errors import RecipeError
 
@@ -66,7 +67,8 @@ class Optim:
 class Run:
     """What the optimizer steps share. step / epoch / cursor are the data position a checkpoint records
     (cursor: micro-batches consumed in the current epoch); `batches` are this rank's for `epoch`;
-    `step_stats` the last preference step's rewards, margin and accuracy (train.preference)."""
+    `step_stats` the last preference step's rewards, margin and accuracy (train.preference); `aux_coef` the weight
+    of an MoE router's balance loss (train.balance)."""
     recipe: Recipe
     run_dir: Path
     acc: Accelerator
@@ -89,10 +91,13 @@ class Run:
     step_stats: dict | None = None
     host_s: float = 0.0  # host CPU time of the steps since the last logged one (train.step.optimizer_step)
     compiled: CompiledLayers | None = None  # train.compile's layers (finetune.train.compiled; None: off)
+    step_aux: float | None = None  # the last step's MoE balance loss, averaged over ranks (None: not trained)
     batches: batching.EpochBatches = field(init=False)
+    aux_coef: float = field(init=False)  # its weight in the trained loss (finetune.train.balance; 0: off)
 
     def __post_init__(self):
         self.batches = self.epoch_batches()
+        self.aux_coef = balance.coefficient(self.recipe.train, self.acc.unwrap_model(self.model))
 
     @property
     def ckpt_root(self) -> Path:

@@ -59,15 +59,22 @@ def optimizer_step(run: Run, stop=None) -> tuple[float, torch.Tensor | None, flo
     loss_total, stats = None, {}  # on the device until the end of the step
     for i, b in enumerate(micro):
         last = i == len(micro) - 1
+        aux = [] if run.aux_coef else None  # an MoE router's balance loss (train.balance): asked for only when trained
         with gradient_sync(run, last), batch_kernels(b, device_type, t):
             # Gradients are averaged over ranks by DDP/FSDP, hence the factor `world`.
             if norm is None:
-                loss_sum, _ = token_loss_sum(run.model, b, device_type, t, run.offload)
-                acc.backward(run.scaler.scale(loss_sum * acc.num_processes / step_tokens))
+                loss_sum, _ = token_loss_sum(run.model, b, device_type, t, run.offload, aux)
+                objective = loss_sum * acc.num_processes / step_tokens
             else:  # already divided by the step's pairs: loss_sum is this micro-batch's share of the mean
-                loss_sum, b_stats = pair_loss(run.model, b, device_type, t, run.offload, norm)
-                acc.backward(run.scaler.scale(loss_sum * acc.num_processes))
+                loss_sum, b_stats = pair_loss(run.model, b, device_type, t, run.offload, norm, aux)
+                objective = loss_sum * acc.num_processes
                 stats = {k: stats.get(k, 0) + v for k, v in b_stats.items()}
+            if aux:
+                # Each forward's balance loss is a mean over its own tokens: the step trains its mean over the
+                # micro-batches and (the gradient average, no factor `world`) over the ranks.
+                objective = objective + run.aux_coef * aux[0] / len(micro)
+                stats["aux_loss"] = stats.get("aux_loss", 0) + aux[0].detach()
+            acc.backward(run.scaler.scale(objective))
         loss_total = loss_sum.detach() if loss_total is None else loss_total + loss_sum.detach()
         # A preempted worker is killed ~30 s after SIGTERM; a whole step can take longer. Every rank asks
         # after every micro-batch (one scalar all-reduce over the host group, so all agree on where to stop).
@@ -87,6 +94,8 @@ def optimizer_step(run: Run, stop=None) -> tuple[float, torch.Tensor | None, flo
     # wall time means the device waits on the host. (A wait before it, if any, counts too: CUDA spins.)
     run.host_s += time.thread_time() - host0
     loss, grad_norm, sums = read_step_values(acc, loss_total, grad_norm, stats)
+    # the step's mean balance loss, averaged over ranks as the loss is (None: not trained)
+    run.step_aux = sums.pop("aux_loss") / (len(micro) * acc.num_processes) if "aux_loss" in sums else None
     if norm is not None:
         run.step_stats = step_metrics(sums)
         return loss, grad_norm, step_tokens

@@ -8,7 +8,9 @@ reference, FINETUNE_MOE_EXPERTS=per_expert), on a synthetic Qwen3-MoE with 32 ex
   layer 0's attention adapters reach 2.5e-5 at one step); with LoRA on attention only, too;
 - the dequantized layer is not kept for backward: backward dequantizes each parameter again, once, and no
   tensor autograd saves is an [E, out, in] weight;
-- the FSDP2 case is in test_moe_4bit.py (its 2-process run trains this model both ways).
+- the same comparison on 2 FSDP2 processes (moe_grouped_worker.py): losses, and the experts' LoRA gradients
+  within 1e-5, the others within 1e-4 (measured 5.1e-5 at one step); and the loop's router balance loss
+  under FSDP2, logged as the mean over micro-batches and ranks.
 """
 from __future__ import annotations
 
@@ -205,3 +207,44 @@ def test_the_grouped_experts_never_wait_on_the_device(wide, monkeypatch):
     assert forward.count(torch.ops.aten.bincount.default) == 2  # 2 layers
     assert forward.count(torch.ops.aten._grouped_mm.default) == 2 * 6, forward
     wide.zero_grad(set_to_none=True)
+
+
+@pytest.mark.distributed
+def test_grouped_trains_as_the_per_expert_loop_under_fsdp2(tmp_path):
+    """The first test's comparison on two FSDP2 processes (gloo, moe4bit_worker's launch): the sharded model
+    both paths read is filled once by the loop's own calls, each rank routes its rows, gradients are
+    reduce-scattered; the losses (the mean over ranks) and every gathered LoRA gradient agree as on one process.
+    Then the real loop under FSDP2 with the router's balance loss logs its mean over micro-batches and ranks."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .families import ROOT
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "tests" / "integration" / "moe_grouped_worker.py"), str(tmp_path), "10"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
+    got = json.loads((tmp_path / "grouped.json").read_text())
+    assert got["grouped_calls"] == {"per_expert": 0, "grouped": 2 * 10}, got["grouped_calls"]  # 2 layers x 10
+    assert got["n_expert_grads"] == 8  # A, B x 2 parameters x 2 layers
+    same, ref, losses = got["same_routing"], got["losses"]["per_expert"], got["losses"]["grouped"]
+    assert sum(same) >= 8, same
+    assert max(ref) - min(ref) > 1e-3, ref  # ten different states, not one
+    torch.testing.assert_close([x for x, s in zip(losses, same) if s], [x for x, s in zip(ref, same) if s],
+                               rtol=1e-5, atol=1e-5)
+    # the experts' adapters within the issue's 1e-5; the others (layer 0's attention adapters, as on one process)
+    # within 1e-4: measured (fp32, 2 ranks) 5.1e-5 at step 4 on v_proj's lora_B, whose largest element is 0.061,
+    # and below 2.3e-5 at every other step; the losses came out equal to the last bit at every step
+    for step, s in enumerate(same):
+        assert not s or (got["experts_diff"][step] <= 1e-5 and got["other_diff"][step] <= 1e-4), (step, got)
+    # the balance loss under FSDP2 (checkpointed, grouped): each step logs the mean of its 2 micro-batches' values
+    # on both ranks, as the loss is averaged
+    rows = [json.loads(line) for line in (tmp_path / "balance" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["aux_loss"] for r in rows if "loss" in r]
+    by_rank = got["balance_by_rank"]
+    assert len(logged) == 2 and [len(v) for v in by_rank] == [4, 4], (logged, by_rank)
+    want = [sum(v[2 * i] + v[2 * i + 1] for v in by_rank) / 4 for i in range(2)]
+    assert by_rank[0] != by_rank[1] and all(abs(a - b) <= 1e-6 for a, b in zip(logged, want)), (logged, by_rank)
