@@ -220,12 +220,13 @@ def test_grouped_trains_as_the_per_expert_loop_under_fsdp2(tmp_path):
     import subprocess
     import sys
 
+    from ..conftest import warm_launch
     from .families import ROOT
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "tests" / "integration" / "moe_grouped_worker.py"), str(tmp_path), "10"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    cmd, env = warm_launch(cmd, dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
     got = json.loads((tmp_path / "grouped.json").read_text())
     assert got["grouped_calls"] == {"per_expert": 0, "grouped": 2 * 10}, got["grouped_calls"]  # 2 layers x 10
