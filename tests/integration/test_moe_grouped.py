@@ -129,7 +129,7 @@ def test_backward_dequantizes_again_and_keeps_no_dequantized_layer(wide, monkeyp
 
     monkeypatch.setenv(grouped.ENV, "grouped")
     real, calls = grouped.dequantized_all, []
-    monkeypatch.setattr(grouped, "dequantized_all", lambda m, name: calls.append(name) or real(m, name))
+    monkeypatch.setattr(grouped, "dequantized_all", lambda m, name, *a: calls.append(name) or real(m, name, *a))
     m = next(m for m in wide.modules() if hasattr(m, "shapes"))
     layer = min(e * rows * cols for e, rows, cols in m.shapes.values())
     saved = []
