@@ -197,9 +197,14 @@ def prepare_rss(r: dict) -> list[str]:
 
 
 def moe_speedup(r: dict) -> list[str]:
-    return ["The real loop on a synthetic Qwen3-MoE (2 layers, 48 experts, top-6, hidden 128; 4-bit experts, LoRA on "
-            "them and on attention), grouped experts against the per-expert loop (FINETUNE_MOE_EXPERTS=per_expert), "
-            "runs alternating in fresh processes (benchmarks/cpu/moe_speedup.py).", "",
+    # the model as the row measured it (a kept row from an older run names its own)
+    m = dict(kv.split("=") for kv in r.get("model", "?").partition("?")[2].split("&") if "=" in kv)
+    shape = (f"{m.get('layers', '?')} layers, {m.get('experts', '?')} experts, top-{m.get('experts_per_tok', '?')}, "
+             f"hidden {m.get('hidden', '?')}, expert intermediate {m.get('moe_intermediate', '?')}")
+    compute = " in fp32" if r.get("compute") == "fp32" else ""
+    return [f"The real loop on a synthetic Qwen3-MoE ({shape}; 4-bit experts, LoRA on them and on attention){compute}, "
+            "grouped experts against the per-expert loop (FINETUNE_MOE_EXPERTS=per_expert), runs alternating in "
+            "fresh processes (benchmarks/cpu/moe_speedup.py, whose docstring says why this model).", "",
             "| path | trained tokens/s | peak RSS MiB |", "|---|---|---|",
             f"| grouped | {_f(r['grouped_tokens_per_s'])} | {_f(r['grouped_peak_rss_mib'])} |",
             f"| per-expert | {_f(r['per_expert_tokens_per_s'])} | {_f(r['per_expert_peak_rss_mib'])} |"]

@@ -48,9 +48,9 @@ def expert_weight_bytes(arch: Arch, s) -> tuple[int, int]:
 def expert_workspace_bytes(arch: Arch, s) -> int:
     """4-bit experts run grouped (weights/experts/grouped.py): each parameter's experts are dequantized
     together, in forward and again in backward (never kept), one parameter at a time: the largest stacked
-    parameter [E, out, in] in the model dtype, plus its compute-dtype copy when the two differ. (The
-    per-expert fallback needs one expert of it.)"""
+    parameter [E, out, in] in the compute dtype, which bitsandbytes writes directly (autocast's dtype, or
+    the model dtype without autocast). (The per-expert fallback needs one expert of it.)"""
     if not arch.experts or not experts_4bit(s):
         return 0
-    mb, cb = DTYPE_BYTES[s.model_dtype], MP_BYTES[s.mixed_precision]
-    return max(x.d_in * x.d_out * x.count for x in arch.expert_params()) * (mb + (cb if cb != mb else 0))
+    width = DTYPE_BYTES[s.model_dtype] if s.mixed_precision == "no" else MP_BYTES[s.mixed_precision]
+    return max(x.d_in * x.d_out * x.count for x in arch.expert_params()) * width

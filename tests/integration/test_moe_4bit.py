@@ -89,6 +89,9 @@ def _check_bytes_are_bitsandbytes(path, model, m):
             got = getattr(m, name).reshape(-1)[e * size:(e + 1) * size]
             assert torch.equal(got.view(torch.uint8), want.reshape(-1).view(torch.uint8))  # bytes, not floats
             assert torch.equal(m.dequantized(name, e), bf.dequantize_4bit(want, qs))
+            # bf16 written by bitsandbytes directly is the fp32 dequantization rounded once: what the grouped
+            # path and the per-expert loop rely on to skip the fp32 copy
+            assert torch.equal(m.dequantized(name, e, torch.bfloat16), m.dequantized(name, e).bfloat16())
 
 
 def _dense_reference(model, family):
@@ -281,7 +284,7 @@ def test_a_finished_run_loads_for_eval_with_its_expert_adapters(trained):
 def test_the_plan_counts_the_experts_bytes_and_workspace_as_loaded(family_dir):
     """plan/quantized.py against the loaded model: the packed expert bytes and their quantization state
     exactly, and the dequantization workspace as one parameter's experts dequantized together (the grouped
-    layout, weights/experts/grouped.py) plus their bf16 copy."""
+    layout, weights/experts/grouped.py), written by bitsandbytes in the compute dtype (bf16) directly."""
     from finetune.plan import estimate as E
     from finetune.plan.archs import from_config
     from finetune.plan.quantized import expert_weight_bytes, expert_workspace_bytes
@@ -295,7 +298,7 @@ def test_the_plan_counts_the_experts_bytes_and_workspace_as_loaded(family_dir):
     state = sum(b.numel() * b.element_size() for m in packed for b in m.buffers())
     assert expert_weight_bytes(arch, s) == (stored, state)
     biggest = max(m.num_experts * m.dequantized(n, 0).numel() for m in packed for n in m.shapes)
-    assert expert_workspace_bytes(arch, s) == biggest * (4 + 2)  # the grouped layout: a parameter's experts
+    assert expert_workspace_bytes(arch, s) == biggest * 2  # the grouped layout: a parameter's experts, bf16
 
 
 @pytest.mark.parametrize("targets", ["auto", []], ids=["experts-adapted", "experts-frozen"])

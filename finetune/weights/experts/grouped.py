@@ -59,8 +59,10 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
 
 
-def dequantized_all(experts, name: str) -> torch.Tensor:
-    """Every expert's weight of `name` ([E, out, in], experts.dtype) in one bitsandbytes dequantize_4bit call.
+def dequantized_all(experts, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Every expert's weight of `name` ([E, out, in], `dtype`, default experts.dtype) in one bitsandbytes
+    dequantize_4bit call. bitsandbytes writes the compute dtype itself, bit for bit what dequantizing to fp32
+    and casting gives (it scales in fp32 and rounds once), so no fp32 copy of the layer is made and converted.
     With double quantization each expert's absmax is first restored as bitsandbytes' dequantize_blockwise
     does it (code2[byte] * its block's scale, then + the expert's offset), for all experts at once."""
     import bitsandbytes.functional as bf
@@ -71,7 +73,7 @@ def dequantized_all(experts, name: str) -> torch.Tensor:
         blocks = absmax.shape[1]
         scale = getattr(experts, f"{name}_absmax2").repeat_interleave(256, dim=1)[:, :blocks]
         absmax = experts.code2[absmax.long()] * scale + getattr(experts, f"{name}_offset")[:, None]
-    qs = bf.QuantState(absmax=absmax.reshape(-1), shape=torch.Size((e * rows, cols)), dtype=experts.dtype,
+    qs = bf.QuantState(absmax=absmax.reshape(-1), shape=torch.Size((e * rows, cols)), dtype=dtype or experts.dtype,
                        blocksize=experts.q["blocksize"], code=experts.code, quant_type=experts.q["quant_type"])
     return bf.dequantize_4bit(getattr(experts, name).reshape(-1, 1), qs).reshape(e, rows, cols)
 
@@ -84,12 +86,12 @@ class _GroupedDequantMM(torch.autograd.Function):
     def forward(ctx, x, groups: Groups, experts, name: str):
         ctx.experts, ctx.name, ctx.dtype, ctx.groups = experts, name, x.dtype, groups
         dtype = compute_dtype(x)
-        w = dequantized_all(experts, name).to(dtype)
+        w = dequantized_all(experts, name, dtype)
         return gmm(x.to(dtype), w.transpose(1, 2), groups)
 
     @staticmethod
     def backward(ctx, grad):
-        w = dequantized_all(ctx.experts, ctx.name).to(grad.dtype)
+        w = dequantized_all(ctx.experts, ctx.name, grad.dtype)
         return gmm(grad.contiguous(), w, ctx.groups).to(ctx.dtype), None, None, None
 
 

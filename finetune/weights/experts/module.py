@@ -62,13 +62,14 @@ class PackedExperts(torch.nn.Module):
             buf = getattr(self, f"{name}_{stat}")
             setattr(self, f"{name}_{stat}", value.to(buf.device, buf.dtype))
 
-    def dequantized(self, name: str, e: int) -> torch.Tensor:
-        """Expert e's weight of `name` ([out, in], self.dtype), by bitsandbytes' dequantize_4bit."""
+    def dequantized(self, name: str, e: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Expert e's weight of `name` ([out, in], `dtype`, default self.dtype), by bitsandbytes'
+        dequantize_4bit, which writes the compute dtype directly (equal to dequantizing and casting)."""
         import bitsandbytes.functional as bf
 
         m, (_, rows, cols) = self.per_expert(name), self.shapes[name]
         packed = getattr(self, name).reshape(-1)[e * m:(e + 1) * m].reshape(-1, 1)
-        common = dict(shape=torch.Size((rows, cols)), dtype=self.dtype, blocksize=self.q["blocksize"],
+        common = dict(shape=torch.Size((rows, cols)), dtype=dtype or self.dtype, blocksize=self.q["blocksize"],
                       code=self.code, quant_type=self.q["quant_type"])
         absmax = getattr(self, f"{name}_absmax")[e]
         if self.q["compress_statistics"]:
@@ -129,14 +130,12 @@ class _DequantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, experts: PackedExperts, name: str, e: int):
         ctx.experts, ctx.name, ctx.e, ctx.dtype = experts, name, e, x.dtype
-        w = experts.dequantized(name, e)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        return F.linear(x.to(dtype), w.to(dtype))
+        return F.linear(x.to(dtype), experts.dequantized(name, e, dtype))
 
     @staticmethod
     def backward(ctx, grad):
-        w = ctx.experts.dequantized(ctx.name, ctx.e)
-        return (grad @ w.to(grad.dtype)).to(ctx.dtype), None, None, None
+        return (grad @ ctx.experts.dequantized(ctx.name, ctx.e, grad.dtype)).to(ctx.dtype), None, None, None
 
 
 def expert_parameter(data: torch.Tensor, shape: tuple) -> torch.nn.Parameter:
