@@ -65,6 +65,26 @@ def _dynamic_lengths(args, kwargs) -> None:
                     torch._dynamo.mark_dynamic(x, d)
 
 
+def _causal_mask_for_none(layer, args, kwargs) -> None:
+    """An unpadded batch reaches the layers with `attention_mask=None` (transformers' SDPA mask builder skips the
+    mask and asks SDPA for `is_causal`), a padded one with a boolean [B, 1, T, T] mask: two kinds of input, so
+    the first unpadded batch after padded ones made new graphs (measured: 2 at step 36 of a 50-step FSDP2 run).
+    Under SDPA the None is replaced by the causal mask the builder would have made (the same boolean, contiguous
+    [B, 1, T, T]; every key up to the query's position), so every batch reaches the same graphs."""
+    if kwargs.get("attention_mask", 0) is not None or getattr(
+            getattr(layer, "self_attn", None), "config", None) is None:
+        return
+    attn = layer.self_attn
+    if getattr(attn.config, "_attn_implementation", None) != "sdpa" or not getattr(attn, "is_causal", True):
+        return
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.size(1) < 2:
+        return
+    b, t = hidden.size(0), hidden.size(1)
+    causal = torch.ones(t, t, dtype=torch.bool, device=hidden.device).tril()
+    kwargs["attention_mask"] = causal.expand(b, 1, t, t).contiguous()
+
+
 def _four_bit_linears(layer) -> list:
     from bitsandbytes.nn import Linear4bit
 
@@ -131,6 +151,7 @@ class CompiledLayers:
         def forward(*args, **kwargs):
             if i in self.eager or not (layer.training and torch.is_grad_enabled()):
                 return _layer_forward(layer, *args, **kwargs)
+            _causal_mask_for_none(layer, args, kwargs)
             _dynamic_lengths(args, kwargs)
             _restore_quant_states(self.four_bit[i])
             if i in self.called:

@@ -130,3 +130,30 @@ def test_fsdp2_two_processes_compiled_train_the_eager_losses(tmp_path):
     got, ref = logged(tmp_path / "compiled"), logged(tmp_path / "eager")
     assert [r["recompiles"] for r in got] == [0] * 4
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], abs=1e-4)
+
+
+def test_an_unpadded_batch_after_padded_ones_reuses_the_graphs(tiny_model_dir):
+    """transformers hands the layers `attention_mask=None` for a batch without padding and a boolean mask for a
+    padded one; the compiled layers see a mask either way, so the unpadded batch makes no graph (measured
+    before: 2 more graphs at the first unpadded batch) and trains what eager trains."""
+    from .conftest import tiny_lora_fp32
+
+    model = tiny_lora_fp32(tiny_model_dir).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones(2, 9, dtype=torch.long)
+    padded[1, 6:] = 0
+    unpadded = torch.ones(2, 9, dtype=torch.long)
+
+    def loss_and_grads(mask):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    want = loss_and_grads(unpadded)
+    layers = compiled.CompiledLayers(model, "aot_eager")
+    loss_and_grads(padded)
+    layers.step_done(1)
+    got = loss_and_grads(unpadded)
+    assert layers.recompiles() == 0 and not layers.eager
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
