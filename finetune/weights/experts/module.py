@@ -130,7 +130,9 @@ class _DequantLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, experts: PackedExperts, name: str, e: int):
         ctx.experts, ctx.name, ctx.e, ctx.dtype = experts, name, e, x.dtype
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        from finetune.weights.experts.grouped import compute_dtype
+
+        dtype = compute_dtype(x)  # the grouped path's rule: autocast's dtype, else the input's
         return F.linear(x.to(dtype), experts.dequantized(name, e, dtype))
 
     @staticmethod
