@@ -73,10 +73,11 @@ def flops_saved(arch: Arch, seq: int, k: int) -> float:
     return (arch.layers - k) * layer / all_checkpointed
 
 
-def fit(s: E.Setup, arch: Arch | None = None, source: str = "", budget_bytes: int | None = None
-        ) -> tuple[E.Plan, Choice]:
+def fit(s: E.Setup, arch: Arch | None = None, source: str = "", budget_bytes: int | None = None,
+        offset: int = 0) -> tuple[E.Plan, Choice]:
     """The plan of `s` with its checkpointing resolved, and the choice. `auto` without a budget plans every
-    layer (the safe default), and says so."""
+    layer (the safe default), and says so. `offset`: bytes added to every planned peak (a CPU run whose
+    process started above or below the plan's constant: train.recompute.resolve)."""
     if arch is None:
         arch, source = resolve(s.model)
     plans: dict[int, E.Plan] = {}
@@ -88,14 +89,14 @@ def fit(s: E.Setup, arch: Arch | None = None, source: str = "", budget_bytes: in
 
     if s.checkpointing == "auto" and budget_bytes:
         lo, hi = 0, arch.layers
-        if peak_bytes(plan(hi)) <= budget_bytes:  # else nothing fits: every layer, and the line says so
+        if peak_bytes(plan(hi)) + offset <= budget_bytes:  # else nothing fits: every layer, and the line says so
             while lo < hi:  # the fewest k whose peak fits
                 mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if peak_bytes(plan(mid)) <= budget_bytes else (mid + 1, hi)
+                lo, hi = (lo, mid) if peak_bytes(plan(mid)) + offset <= budget_bytes else (mid + 1, hi)
         k = hi
         p = plan(k)
     else:
         k = checkpointed_layers(arch, s)
         p = E.build(s, arch, source)
     saved = flops_saved(arch, s.seq_len, k)
-    return p, Choice(s.checkpointing, k, arch.layers, peak_bytes(p), budget_bytes, saved)
+    return p, Choice(s.checkpointing, k, arch.layers, peak_bytes(p) + offset, budget_bytes, saved)

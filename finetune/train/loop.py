@@ -105,7 +105,7 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
         # in the fill. The plan says what each parameter is and where the reader finds it; handed on, never stored.
         model, plan = load_with_plan(recipe.model, recipe.quantization, placement_for(s.acc))
     with mem.phase("adapters"):
-        a = add_adapters(recipe, s, model, plan)
+        a = add_adapters(recipe, s, model, plan, start_rss=mem.start_rss)
         mem.checkpointed = a.checkpointed  # memory.json's plan is of the layers that run checkpointed
         resume.adapter_into(a.model)  # now, into the unwrapped model: the wrap shards what it finds
         optim = build_optim(recipe, s, a)
@@ -152,12 +152,14 @@ def setup(recipe: Recipe, run_dir: Path) -> Setup:
     return Setup(acc, tok, prepared, host_group(acc))
 
 
-def add_adapters(recipe: Recipe, s: Setup, model: torch.nn.Module, plan=None) -> Adapters:
+def add_adapters(recipe: Recipe, s: Setup, model: torch.nn.Module, plan=None, start_rss: int | None = None
+                 ) -> Adapters:
     """Fresh LoRA adapters on the loaded base (gradient checkpointing first), the packing layout its
     attention allows and the step count; nothing is wrapped yet. `plan`: the load plan of a placeholder
-    base (FSDP), which DoRA reads its magnitudes through."""
+    base (FSDP), which DoRA reads its magnitudes through. `start_rss`: this process's RSS when the run
+    began (keepers.memory), which a CPU run's `auto` plans with."""
     t = recipe.train
-    checkpointed = resolve_checkpointing(recipe, s.acc)  # auto: the planner's fewest layers that fit
+    checkpointed = resolve_checkpointing(recipe, s.acc, start_rss)  # auto: the planner's fewest layers that fit
     enable_checkpointing(model, recipe.model, checkpointed)
     model = apply_lora(model, recipe.lora, seed=t.seed, plan=plan)
     if recipe.lora.init_adapter:  # start from an earlier run's adapter (a resume's checkpoint replaces it next)

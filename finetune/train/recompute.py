@@ -30,10 +30,12 @@ def _agreed(acc, value: int) -> int:
     return int(acc.gather(torch.tensor([value], device=acc.device)).min().item())
 
 
-def resolve(recipe, acc) -> int | None:
+def resolve(recipe, acc, start_rss: int | None = None) -> int | None:
     """How many of the first decoder layers to checkpoint: None every layer (true), 0 none (false), else the
     recipe's count or, for `auto`, the planner's fewest that fit. The choice is logged in the words of
-    `validate` and `estimate`; a model whose shapes the planner cannot read checkpoints every layer."""
+    `validate` and `estimate`; a model whose shapes the planner cannot read checkpoints every layer.
+    `start_rss`: this process's RSS when the run began; on CPU the plan's process constant assumes
+    estimate.CPU_START_RSS, so the difference is added to every planned peak (as memory.json's plan adds it)."""
     from finetune.plan import checkpointing as C
     from finetune.plan import estimate as E
     from finetune.plan.archs import resolve as shapes
@@ -52,6 +54,8 @@ def resolve(recipe, acc) -> int | None:
     if s.gpus > 1 and s.strategy == "single":
         s = replace(s, strategy="fsdp")
     budget = C.budget(_agreed(acc, device_memory(acc.device)), recipe.model.max_memory_gib)
-    _, choice = C.fit(s, arch, source, budget)
+    # A GPU's plan counts device bytes, which the host's start does not touch; the largest rank's start counts.
+    offset = 0 if s.device == "cuda" or not start_rss else -_agreed(acc, -start_rss) - E.CPU_START_RSS
+    _, choice = C.fit(s, arch, source, budget, offset)
     log.info(choice.line())
     return choice.layers

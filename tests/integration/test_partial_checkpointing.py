@@ -73,6 +73,13 @@ def test_auto_on_a_cpu_run_plans_against_ram_or_the_cap_and_says_so(capsys):
     assert resolve(R.load(tiny, ["model.gradient_checkpointing=auto", "model.max_memory_gib=0.01"]), acc) == 4
     assert "does not fit even so" in capsys.readouterr().out
     assert resolve(R.load(tiny, ["model.gradient_checkpointing=3"]), acc) == 3
+    # A process that started above the plan's constant (estimate.CPU_START_RSS) has that much less room: the
+    # same cap, with a start that puts 2 layers over it, takes 3; at the constant itself nothing changes.
+    over = int(cap * 2**30) - peaks[2] + 1
+    capped = R.load(tiny, ["model.gradient_checkpointing=auto", f"model.max_memory_gib={cap}"])
+    assert resolve(capped, acc, start_rss=E.CPU_START_RSS + over) == 3
+    assert f"auto -> 3 of 4 layers (plan {(peaks[3] + over) / 2**30:.1f} of {cap:.1f} GiB" in capsys.readouterr().out
+    assert resolve(capped, acc, start_rss=E.CPU_START_RSS) == 2
 
 
 def test_memory_json_plans_the_layers_the_run_checkpointed(tmp_path):
