@@ -29,7 +29,7 @@ def balance_bytes(arch: Arch, s) -> int:
     CPU the logits' dtype). The logits go with the forward's output; in backward the softmaxes give way to
     their gradients, one logits-sized buffer a layer waiting for that layer's backward, so this bounds the
     backward too. 0 when the weight is 0 or the model is dense: the logits are then not asked for."""
-    if not coefficient(arch, getattr(s, "router_aux_loss_coef", None)):
+    if not coefficient(arch, s.router_aux_loss_coef):
         return 0
     t = s.micro_batch * s.seq_len
     autocast = s.mixed_precision != "no"
