@@ -68,7 +68,7 @@ def run(a) -> int:
 
     from finetune.commands.common import at_least_one, split_overrides
     from finetune.plan.checkpointing import budget, fit
-    from finetune.plan.estimate import render
+    from finetune.plan.rendering import render
     from finetune.util.errors import RecipeError
 
     if a.update_headers:

@@ -40,6 +40,9 @@ EXPERT_LAYOUTS = {
                                                  "down_proj": ("down_proj",)}),
 }
 EXPERT_RENAMES = {"mixtral": (("mlp.gate.weight", "block_sparse_moe.gate.weight"),)}
+# The router balance loss's weight Mixtral's and Qwen3-MoE's configs hold when config.json names none
+# (transformers 5.23 MixtralConfig, Qwen3MoeConfig): what train.router_aux_loss_coef: null then trains.
+ROUTER_AUX_LOSS_COEF = 0.001
 
 
 def per_expert_keys(name: str, model_type: str, experts: int) -> list[list[str]] | None:
@@ -90,6 +93,7 @@ class Arch:
     experts: int = 0
     experts_per_tok: int = 0
     qkv_bias: bool = False
+    router_aux_loss_coef: float = 0.0  # the config's balance-loss weight (MoE; 0 on a dense model)
 
     @property
     def layer_class(self) -> str:
@@ -173,13 +177,15 @@ def from_config(cfg: dict, name: str = "") -> Arch:
         inter = g("moe_intermediate_size") or g("intermediate_size") or 4 * hidden
     head_dim = g("head_dim") or hidden // heads
     tied = g("tie_word_embeddings")
+    experts = int(g("num_local_experts") or g("num_experts") or 0)
+    aux = g("router_aux_loss_coef")
     if tied is None:
         tied = mt in ("falcon", "gemma", "gemma2", "gemma3", "gemma3_text")
     return Arch(name=name, model_type=mt, hidden=int(hidden), layers=int(layers), heads=int(heads),
                 kv_heads=int(kv), head_dim=int(head_dim), intermediate=int(inter), vocab=int(g("vocab_size")),
-                tied=bool(tied), experts=int(g("num_local_experts") or g("num_experts") or 0),
-                experts_per_tok=int(g("num_experts_per_tok") or 0),
-                qkv_bias=bool(g("attention_bias") or mt == "qwen2"))
+                tied=bool(tied), experts=experts, experts_per_tok=int(g("num_experts_per_tok") or 0),
+                qkv_bias=bool(g("attention_bias") or mt == "qwen2"),
+                router_aux_loss_coef=float(ROUTER_AUX_LOSS_COEF if aux is None else aux) if experts else 0.0)
 
 
 def _hf_cache_config(repo_id: str) -> Path | None:

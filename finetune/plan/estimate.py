@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from finetune.plan import loading
+from finetune.plan import loading, router
 from finetune.plan.activations import (DTYPE_BYTES, MP_BYTES, activation_terms, dora_workspace_bytes,
-                                       embedding_on_cpu, targeted, targeted_experts, checkpointing_words)
+                                       embedding_on_cpu, targeted, targeted_experts)
 from finetune.plan.archs import Arch, resolve
 from finetune.plan.quantized import (expert_weight_bytes, expert_workspace_bytes, experts_4bit, packed_4bit_bytes,
                                      quant_constant_bytes)
@@ -74,6 +74,7 @@ class Setup:
     attn: str = "sdpa"
     device: str = "cuda"  # "cpu" plans a CPU run (no CUDA context; CPU dropout keeps a full-width mask)
     method: str = "sft"  # train.method; dpo/orpo forward both sides of every pair at once (from_recipe)
+    router_aux_loss_coef: float | None = None  # train.router_aux_loss_coef (None: the model config's; plan.router)
 
     @property
     def world(self) -> int:
@@ -101,7 +102,7 @@ def from_recipe(recipe) -> Setup:
                  offload=f.cpu_offload and d.strategy == "fsdp",
                  checkpointing=m.gradient_checkpointing,
                  activation_offload=m.activation_offloading, loss_chunk_tokens=t.loss_chunk_tokens,
-                 attn=m.attn_implementation, tiled_mlp=m.tiled_mlp)
+                 attn=m.attn_implementation, tiled_mlp=m.tiled_mlp, router_aux_loss_coef=t.router_aux_loss_coef)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -282,6 +283,7 @@ def build(s: Setup, arch: Arch | None = None, source: str = "") -> Plan:
     act = activation_terms(arch, s)
     bd["activations"] = act["activations"]
     bd["logits_loss"] = act["logits_loss"]
+    bd["router_balance"] = router.balance_bytes(arch, s)  # an MoE's balance loss: every layer's router logits
     bd["fsdp_buffers"] = _fsdp_buffers(arch, s, w, shard)
     biggest = max(x.d_in * x.d_out for x in arch.linears())
     bd["dequant_workspace"] = max(biggest * MP_BYTES[s.mixed_precision] if s.quant != "none" else 0,
@@ -313,8 +315,8 @@ def cpu_phases(arch: Arch, s: Setup, w: dict, opt: dict, grads: int, bd: dict) -
     # The streaming loader: one reader per machine, one tensor at a time (plan/loading.py).
     phases = {"loading": loading.machine_bytes(arch, s, w, _shards(s), DTYPE_BYTES, base // procs)}
     if cpu_run:
-        kept = sum(v for k, v in bd.items() if k not in ("activations", "logits_loss", "fsdp_buffers",
-                                                           "dequant_workspace", "dora_workspace"))
+        kept = sum(v for k, v in bd.items() if k not in ("activations", "logits_loss", "router_balance",
+                                                           "fsdp_buffers", "dequant_workspace", "dora_workspace"))
         base, steps = base + procs * kept, base + procs * sum(bd.values())
     machine_share = s.per_machine / s.world
     if s.offload:
@@ -366,34 +368,3 @@ def _notes(p: Plan, w: dict):
     fit = p.fits()
     if fit is False:
         p.notes.append(f"does not fit: {fmt(p.gpu_bytes_per_device)} planned per GPU, {fmt(s.gpu_memory)} available")
-
-
-def render(p: Plan) -> str:
-    s = p.setup
-    lines = [f"plan for {s.model} ({p.source}): {p.arch.params() / 1e9:.2f}B params, "
-             f"{sum(lora_tensor_sizes(p.arch, s)) / 1e6:.1f}M trainable",
-             f"  {s.world} process(es) on {s.machines} machine(s), strategy {s.strategy}"
-             + (f" (FSDP{s.fsdp_version}{', cpu offload' if s.offload else ''})" if s.strategy == "fsdp" else "")
-             + f", micro-batch {s.micro_batch} x seq {s.seq_len}, checkpointing {checkpointing_words(p.arch, s)}",
-             f"GPU memory per device: {fmt(p.gpu_bytes_per_device)}" if s.device == "cuda" else
-             f"memory per process (a CPU run: in RAM, counted in the CPU RAM below): {fmt(p.gpu_bytes_per_device)}"]
-    shown = {k: v for k, v in p.breakdown.items() if k != "framework_overhead" and (v or k != "dora_workspace")}
-    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in shown.items()]
-    if s.device == "cuda":
-        o = p.overhead
-        lines += [f"  = peak allocated     {fmt(p.allocated):>12}  (torch.cuda.max_memory_allocated)",
-                  f"  + allocator slack    {fmt(o['allocator_slack']):>12}  (reserved {fmt(p.reserved)})",
-                  f"  + CUDA context{' + NCCL' if o['nccl'] else '':<7}{fmt(o['cuda_context'] + o['nccl']):>12}"
-                  f"  (not torch's; total {fmt(p.gpu_bytes_per_device)})"]
-    if p.load_gpu:
-        lines.append(f"GPU memory per device while loading: {fmt(p.load_gpu)}")
-    phase = max(p.cpu, key=p.cpu.get)
-    lines.append(f"CPU RAM per machine: {fmt(p.cpu_bytes_peak)} peak ({phase})")
-    lines += [f"  {k:<20} {fmt(v):>12}" for k, v in p.cpu.items()]
-    fit = p.fits()
-    if fit is not None:
-        spare = s.gpu_memory - p.gpu_bytes_per_device
-        lines.append(f"fits in {fmt(s.gpu_memory)}: {'yes' if fit else 'NO'} "
-                     f"({'spare' if fit else 'short by'} {fmt(abs(spare))})")
-    lines += [f"note: {n}" for n in p.notes]
-    return "\n".join(lines)

@@ -66,7 +66,8 @@ def plan_block(path: str | Path, text: str | None = None) -> list[str]:
                 ", DOES NOT FIT" if p.fits() is False else ""),
              f"#   weights {fmt(weights)} | adapter+grads+optimizer {fmt(train)} | activations "
              f"{fmt(bd['activations'])} | logits {fmt(bd['logits_loss'])}",
-             f"#   fsdp buffers {fmt(bd['fsdp_buffers'])} | workspace+overhead "
+             "#   " + (f"router balance {fmt(bd['router_balance'])} | " if bd.get("router_balance") else "")
+             + f"fsdp buffers {fmt(bd['fsdp_buffers'])} | workspace+overhead "
              f"{fmt(bd['framework_overhead'] + bd['dequant_workspace'] + bd['dora_workspace'])}",
              *([f"#   peak allocated {fmt(p.allocated)} + allocator slack and CUDA context "
                 f"{fmt(bd['framework_overhead'])}"] if device == "cuda" else []),

@@ -9,6 +9,7 @@ A coefficient of 0 leaves the forward exactly as without this module: the router
 """
 from __future__ import annotations
 
+from finetune.plan import router
 from finetune.util.errors import Problem, RecipeError
 
 
@@ -46,15 +47,15 @@ def read_aux(output) -> "torch.Tensor":  # noqa: F821
     return aux
 
 
-def words(train_spec, model) -> str:
-    """One line for the run's log: the balance loss's weight and where it comes from."""
-    coef = coefficient(train_spec, model)
+def words(train_spec, coef: float) -> str:
+    """One line for the run's log: the balance loss's weight (`coefficient`, worked out once by the run) and
+    where it comes from."""
     source = "the model config's" if train_spec.router_aux_loss_coef is None else "train.router_aux_loss_coef"
     return (f"MoE router balance: loss + {coef:g} x aux_loss ({source}; logged as aux_loss; "
             "train.router_aux_loss_coef: 0 turns it off)")
 
 
-def problems(r, arch, config: dict | None) -> list[Problem]:
+def problems(r, arch) -> list[Problem]:
     """validate's rules, from config.json alone: a positive weight on a dense model is refused (it has no router,
     nothing would be trained); a balance loss under reentrant checkpointing is refused (the checkpointed layers
     run their forward without autograd there, so their router logits would carry no gradient)."""
@@ -65,8 +66,7 @@ def problems(r, arch, config: dict | None) -> list[Problem]:
                             message=f"{wanted}, but {arch.model_type} is a dense model: it has no MoE router to balance",
                             fix="leave it null (or 0) for a dense model")]
         return []
-    # Mixtral's and Qwen3-MoE's configs default to a positive weight (0.001) when config.json names none
-    coef = wanted if wanted is not None else (config or {}).get("router_aux_loss_coef", 0.001)
+    coef = router.coefficient(arch, wanted)  # null: the config's own, as the run will read it
     m = r.model
     if coef and m.reentrant_checkpointing and m.gradient_checkpointing not in (False, 0):
         return [Problem(level="error", path="train.router_aux_loss_coef",

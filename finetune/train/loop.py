@@ -133,6 +133,8 @@ def _train(recipe: Recipe, run_dir: Path, stop: StopSignal, return_model: bool =
               total_steps=a.total_steps, optimizer=optim.optimizer, scheduler=optim.scheduler,
               scaler=optim.scaler, offload=offload, memory=mem, metrics=metrics, eval_batches=eval_batches,
               step=restored.step, epoch=restored.epoch, cursor=restored.cursor, compiled=compiled)
+    if run.aux_coef:  # the weight Run worked out (finetune.train.balance)
+        log.info(balance.words(recipe.train, run.aux_coef))
     return steps(run, stop, return_model)
 
 
@@ -189,8 +191,6 @@ def announce(recipe: Recipe, run_dir: Path, s: Setup, model: torch.nn.Module, to
     stats = s.prepared.stats
     log.info(f"model: {trainable_report(model)}; data: {stats['rows']} rows, "
              f"{stats['trained_tokens']} trained tokens; {total_steps} steps")
-    if balance.coefficient(recipe.train, s.acc.unwrap_model(model)):
-        log.info(balance.words(recipe.train, s.acc.unwrap_model(model)))
     infos, warns = data_notes(recipe.data, stats)  # where eval rows come from; what the length policy dropped
     log.info("\n".join(infos)), [log.warning(w) for w in warns]
 

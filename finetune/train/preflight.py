@@ -63,7 +63,7 @@ def _path_like(name: str) -> bool:
 
 def model_problems(r: Recipe) -> tuple[list[Problem], object]:
     """Problems found from the model's shapes; also returns the Arch (or None)."""
-    from finetune.plan.archs import find_config, resolve
+    from finetune.plan.archs import resolve
 
     name = r.model.name
     if _path_like(name) and not os.path.isdir(os.path.expanduser(name)):
@@ -89,7 +89,7 @@ def model_problems(r: Recipe) -> tuple[list[Problem], object]:
         out.append(Problem(level="error", path="model.gradient_checkpointing",
                            message=f"{k} layers, but {name} has {arch.layers} decoder layers",
                            fix=f"at most {arch.layers} (true checkpoints all), or auto"))
-    return out + expert_problems(r, arch) + balance.problems(r, arch, find_config(name)[0]), arch
+    return out + expert_problems(r, arch) + balance.problems(r, arch), arch
 
 
 def expert_problems(r: Recipe, arch) -> list[Problem]:
