@@ -141,8 +141,11 @@ def test_a_dpo_run_holds_one_copy_of_the_4bit_base(tmp_path, monkeypatch):
 
     monkeypatch.setattr(refpolicy, "sequence_logps", count(refpolicy.sequence_logps))
     monkeypatch.setattr(step, "pair_loss", count(step.pair_loss))
-    recipe = load(ROOT / "recipes" / "tiny_cpu.yaml", PREF + ["train.method=dpo", "train.max_steps=3",
-                                                            "train.warmup_steps=0", f"output.dir={tmp_path}"])
+    # 40 pairs: every count scans the whole heap (~1-2 s in a worker that has run many tests), and 3 batches
+    # of reference log-probs show the same as 13
+    recipe = load(ROOT / "recipes" / "tiny_cpu.yaml", PREF + ["data.max_samples=40", "train.method=dpo",
+                                                            "train.max_steps=3", "train.warmup_steps=0",
+                                                            f"output.dir={tmp_path}"])
     out = loop.train(recipe, tmp_path, return_model=True)
     in_model = sum(1 for m in out["model"].modules() if isinstance(m, bnb.nn.Linear4bit))
     assert in_model == 4 * 7  # 4 layers x (q, k, v, o, gate, up, down)
