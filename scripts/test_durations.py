@@ -61,7 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     tests = data["tests"]
     busy = sum(total(r) for r in tests.values())
     print(f"{len(tests)} tests, {busy:.0f} s of test time in {data.get('wall_s', 0):.0f} s of wall time, "
-          f"workers: {', '.join(data.get('workers', [])) or 'one'}\n")
+          f"workers: {', '.join(data.get('workers', [])) or 'one'}")
+    probe = data.get("probe_s")
+    if probe:  # tests/durations.py: the machine's speed, which varies with load the machine cannot see
+        print(f"machine speed: the probe loop took {probe.get('start', 0):.3f} s at the start and "
+              f"{probe.get('end', 0):.3f} s at the end (lower is faster; compare runs by it)")
+    print()
     slow = sorted(tests.items(), key=lambda kv: -total(kv[1]))[:a.top]
     print(table(f"slowest {a.top} tests", [(f"{total(r):.1f}", f"{r['setup']:.1f}", n) for n, r in slow],
                 ("seconds", "setup", "test")))

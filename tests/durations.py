@@ -4,6 +4,11 @@ JSON. `scripts/test_durations.py PATH` sums them per module and per fixture.
 
 Works with pytest-xdist: fixture times are measured where the fixture runs (a worker) and travel to the
 controller on the setup report's `user_properties`, which xdist serializes with every report.
+
+The file also holds how fast the machine was (`probe_s`): one fixed Python loop timed at the start and at the
+end of the run. The same suite on the same 2-core machine took 698 s and 1,219 s within an hour (2026-11-28),
+every test about 1.8x slower in the slow run, with nothing else running in the machine: the host's other load,
+which the machine cannot see, changes its speed. The probe tells such runs apart.
 """
 from __future__ import annotations
 
@@ -14,6 +19,17 @@ from pathlib import Path
 import pytest
 
 _current: dict = {}  # the test whose setup is running now, and the fixtures it has set up so far
+
+
+def probe() -> float:
+    """Seconds of one fixed single-threaded Python loop (the best of 3: a moment's hiccup is not the machine)."""
+    best = float("inf")
+    for _ in range(3):
+        t0, x = time.perf_counter(), 0
+        for i in range(1_000_000):
+            x += i
+        best = min(best, time.perf_counter() - t0)
+    return round(best, 4)
 
 
 def pytest_addoption(parser):
@@ -53,6 +69,7 @@ def pytest_runtest_makereport(item, call):
 class DurationsFile:
     def __init__(self, path: Path):
         self.path, self.tests, self.t0 = path, {}, time.time()
+        self.probe_s = {"start": probe()}
 
     def pytest_runtest_logreport(self, report):
         node = getattr(report, "node", None)  # xdist: the worker that ran it
@@ -68,7 +85,9 @@ class DurationsFile:
     def pytest_sessionfinish(self, session):
         self.path.parent.mkdir(parents=True, exist_ok=True)
         workers = sorted({t["worker"] for t in self.tests.values()})
-        data = {"wall_s": round(time.time() - self.t0, 1), "workers": workers, "tests": self.tests}
+        self.probe_s["end"] = probe()
+        data = {"wall_s": round(time.time() - self.t0, 1), "workers": workers, "probe_s": self.probe_s,
+                "tests": self.tests}
         self.path.write_text(json.dumps(data, indent=1) + "\n")
 
     def pytest_terminal_summary(self, terminalreporter):
