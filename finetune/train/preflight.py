@@ -13,7 +13,6 @@ import importlib.util
 import os
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 from finetune.plan import checkpointing as C
 from finetune.plan import estimate as E
