@@ -6,9 +6,9 @@ Works with pytest-xdist: fixture times are measured where the fixture runs (a wo
 controller on the setup report's `user_properties`, which xdist serializes with every report.
 
 The file also holds how fast the machine was (`probe_s`): one fixed Python loop timed at the start and at the
-end of the run. The same suite on the same 2-core machine took 698 s and 1,219 s within an hour (2026-11-28),
-every test about 1.8x slower in the slow run, with nothing else running in the machine: the host's other load,
-which the machine cannot see, changes its speed. The probe tells such runs apart.
+end of the run. On the 2-core machine one afternoon (2026-11-28) a tiny training run's step took 0.11 to 0.16 s
+with nothing else running, and two runs of the suite within an hour differed by a median 1.8x per test: the
+host's other load, which the machine cannot see, changes its speed. The probe tells such runs apart.
 """
 from __future__ import annotations
 
