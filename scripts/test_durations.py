@@ -64,8 +64,11 @@ def main(argv: list[str] | None = None) -> int:
           f"workers: {', '.join(data.get('workers', [])) or 'one'}")
     probe = data.get("probe_s")
     if probe:  # tests/durations.py: the machine's speed, which varies with load the machine cannot see
-        print(f"machine speed: the probe loop took {probe.get('start', 0):.3f} s at the start and "
-              f"{probe.get('end', 0):.3f} s at the end (lower is faster; compare runs by it)")
+        # a float: the first form of the probe, its Python loop alone
+        start, end = ({"python_loop": v} if isinstance(v, (int, float)) else (v or {})
+                      for v in (probe.get("start"), probe.get("end")))
+        print("machine speed (tests/durations.py probe; seconds, lower is faster; compare runs by it): "
+              + ", ".join(f"{k} {start.get(k, 0):.3f} at the start and {end.get(k, 0):.3f} at the end" for k in start))
     print()
     slow = sorted(tests.items(), key=lambda kv: -total(kv[1]))[:a.top]
     print(table(f"slowest {a.top} tests", [(f"{total(r):.1f}", f"{r['setup']:.1f}", n) for n, r in slow],

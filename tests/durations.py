@@ -5,10 +5,11 @@ JSON. `scripts/test_durations.py PATH` sums them per module and per fixture.
 Works with pytest-xdist: fixture times are measured where the fixture runs (a worker) and travel to the
 controller on the setup report's `user_properties`, which xdist serializes with every report.
 
-The file also holds how fast the machine was (`probe_s`): one fixed Python loop timed at the start and at the
-end of the run. On the 2-core machine one afternoon (2026-11-28) a tiny training run's step took 0.11 to 0.16 s
-with nothing else running, and two runs of the suite within an hour differed by a median 1.8x per test: the
-host's other load, which the machine cannot see, changes its speed. The probe tells such runs apart.
+The file also holds how fast the machine was (`probe_s`): two fixed workloads (`probe`) timed at the start
+and at the end of the run. On the 2-core machine one afternoon (2026-11-28) a tiny training run's step took
+0.11 to 0.30 s with nothing else running, and two runs of the suite within an hour differed by a median 1.8x
+per test: the host's other load, which the machine cannot see, changes its speed. The probe tells such runs
+apart.
 """
 from __future__ import annotations
 
@@ -21,15 +22,32 @@ import pytest
 _current: dict = {}  # the test whose setup is running now, and the fixtures it has set up so far
 
 
-def probe() -> float:
-    """Seconds of one fixed single-threaded Python loop (the best of 3: a moment's hiccup is not the machine)."""
-    best = float("inf")
-    for _ in range(3):
-        t0, x = time.perf_counter(), 0
+def probe() -> dict:
+    """Seconds of two fixed single-threaded workloads, each the best of 3 (a moment's hiccup is not the
+    machine): a Python loop, and fp32 matrix products through torch. They need not move together: one
+    afternoon the products (and a training step with them) ran 2.3x slower while the loop kept its speed."""
+    import torch
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return round(min(times), 4)
+
+    def loop():
+        x = 0
         for i in range(1_000_000):
             x += i
-        best = min(best, time.perf_counter() - t0)
-    return round(best, 4)
+
+    a = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {"python_loop": best(loop), "matmul": best(lambda: [a @ a for _ in range(5)])}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def pytest_addoption(parser):

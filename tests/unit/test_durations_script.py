@@ -24,10 +24,11 @@ def _file(tmp_path, probe_s=None):
 
 
 def test_sums_per_module_and_fixture_and_the_machine_speed(tmp_path, capsys):
-    assert D.main([str(_file(tmp_path, {"start": 0.05, "end": 0.09})), "--top", "5"]) == 0
+    probe_s = {"start": {"python_loop": 0.05, "matmul": 0.1}, "end": {"python_loop": 0.09, "matmul": 0.25}}
+    assert D.main([str(_file(tmp_path, probe_s)), "--top", "5"]) == 0
     out = capsys.readouterr().out
     assert "3 tests, 8 s of test time in 5 s of wall time, workers: gw0, gw1" in out
-    assert "the probe loop took 0.050 s at the start and 0.090 s at the end" in out
+    assert "python_loop 0.050 at the start and 0.090 at the end, matmul 0.100 at the start and 0.250 at the end" in out
     assert D.per_module(json.loads((tmp_path / "durations.json").read_text())["tests"]) == {
         "tests/a.py": 7.5, "tests/b.py": 0.5}
     assert "1.8           2  big (session)" in out  # 1.5 + 0.25 over two setups
@@ -36,4 +37,7 @@ def test_sums_per_module_and_fixture_and_the_machine_speed(tmp_path, capsys):
 def test_a_file_without_the_probe_still_reads_and_the_probe_times_a_loop(tmp_path, capsys):
     assert D.main([str(_file(tmp_path))]) == 0
     assert "machine speed" not in capsys.readouterr().out
-    assert 0 < probe() < 5  # seconds: a million additions, on any machine that runs this suite
+    assert D.main([str(_file(tmp_path, {"start": 0.024, "end": 0.027}))]) == 0  # the probe's first form: a float
+    assert "python_loop 0.024 at the start and 0.027 at the end" in capsys.readouterr().out
+    speed = probe()
+    assert set(speed) == {"python_loop", "matmul"} and all(0 < s < 10 for s in speed.values()), speed
