@@ -99,8 +99,7 @@ def half_cap(model: str, micro_batch: int, start: int = 0) -> tuple[float, int, 
     arch = resolve(model)[0]
     half = arch.layers // 2
     p, _ = C.fit(replace(s, checkpointing=half), arch)
-    offset = start - E.CPU_START_RSS if start else 0
-    return -(-(C.peak_bytes(p) + offset) * 10**4 // GIB) / 10**4, half, arch.layers
+    return -(-(C.peak_bytes(p) + E.start_offset(start)) * 10**4 // GIB) / 10**4, half, arch.layers
 
 
 def run(steps: int = 20, warmup: int = 2, micro_batch: int = 4, reps: int = 1, model: str = MODEL) -> dict:

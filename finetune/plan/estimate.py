@@ -28,6 +28,12 @@ PROCESS_RAM = 3 * GiB // 2  # resident size of one Python process with torch, CU
 # ... without CUDA: a CPU run's process holds its tensors in RAM besides this (measured: the tiny recipe's
 # process, 2.6M parameters, peaks at 0.50 GiB RSS loading and 0.56 GiB training; RUN_DIR/memory.json)
 CPU_PROCESS_RAM, CPU_START_RSS = GiB // 2, 23 * GiB // 100  # ... of which 0.23 GiB right after its imports
+
+
+def start_offset(start_rss: int | None) -> int:
+    """Bytes a CPU process that started at `start_rss` holds beyond the plan's CPU_START_RSS (0 when unknown):
+    the libraries' mapped pages differ by machine and page cache, so a run's plan takes its own start."""
+    return start_rss - CPU_START_RSS if start_rss else 0
 SHARD_FILE = 5 * 10**9  # hub checkpoints are cut in ~5 GB safetensors shards; loading holds one at a time
 BNB_MIN_8BIT = 4096  # bitsandbytes keeps 32-bit optimizer state for tensors smaller than this
 

@@ -55,7 +55,7 @@ def resolve(recipe, acc, start_rss: int | None = None) -> int | None:
         s = replace(s, strategy="fsdp")
     budget = C.budget(_agreed(acc, device_memory(acc.device)), recipe.model.max_memory_gib)
     # A GPU's plan counts device bytes, which the host's start does not touch; the largest rank's start counts.
-    offset = 0 if s.device == "cuda" or not start_rss else -_agreed(acc, -start_rss) - E.CPU_START_RSS
+    offset = 0 if s.device == "cuda" or not start_rss else E.start_offset(-_agreed(acc, -start_rss))
     _, choice = C.fit(s, arch, source, budget, offset)
     log.info(choice.line())
     return choice.layers

@@ -201,7 +201,7 @@ def planned(recipe, world: int, cuda: bool, start_rss: int = 0, checkpointed: in
     None when the planner does not know the model's shapes."""
     import dataclasses
 
-    from finetune.plan.estimate import CPU_START_RSS, build, from_recipe
+    from finetune.plan.estimate import build, from_recipe, start_offset
     from finetune.util.errors import RecipeError
 
     try:
@@ -217,7 +217,7 @@ def planned(recipe, world: int, cuda: bool, start_rss: int = 0, checkpointed: in
     # The plan's process constant assumes a CPU process of CPU_START_RSS after its imports; the pages of the
     # same libraries mapped differ by machine and page cache (measured: 0.23 and 0.29 GiB for one venv's two
     # checkouts on one machine), so the run puts its own start in the constant's place.
-    per, mapped = s.per_machine, (start_rss - CPU_START_RSS if start_rss else 0)
+    per, mapped = s.per_machine, start_offset(start_rss)
     return {k: p.cpu[phase] // per + mapped for k, phase in (("load", "loading"), ("steps", "training"),
                                                               ("save", "saving"))}
 
